@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NPROC ?= 4
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# Pinned: a local CPU wheel exists for exactly this version; unpinned torch pulls CUDA packages.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+data/demo/train.bin: $(STAMP)
+	$(VENV)/bin/phalanx data prepare --demo --out data/demo
+
+demo: $(STAMP) data/demo/train.bin
+	rm -rf runs/demo
+	$(VENV)/bin/phalanx train recipes/tiny-llama.yaml --nproc $(NPROC) run_dir=runs/demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --runs 5
+
+clean:
+	rm -rf runs data/demo .pytest_cache

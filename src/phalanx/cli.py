@@ -1,0 +1,68 @@
+"""The `phalanx` command (typer + rich). Thin: parses arguments and calls the Python API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from phalanx.data.cli import data_app
+
+app = typer.Typer(help="Phalanx: self-healing foundation-model training on PyTorch.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+err_console = Console(stderr=True, highlight=False)
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    config: Path = typer.Argument(..., help="training config YAML (see recipes/)"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="key.sub=value overrides, e.g. training.max_steps=30"),
+    nproc: int = typer.Option(1, "--nproc", "-n", help="worker processes on this machine"),
+    threads: Optional[int] = typer.Option(None, help="CPU threads per worker (default: cores ÷ nproc)"),
+) -> None:
+    """Train on N local worker processes (gloo on CPU, NCCL on GPU)."""
+    from phalanx.data import DataError
+    from phalanx.parallel import ParallelConfigError
+    from phalanx.train.config import ConfigError, load_config
+    from phalanx.train.launch import launch
+
+    try:
+        cfg = load_config(config, overrides or [])
+        code = launch(cfg, nproc, threads_per_worker=threads)
+    except (ConfigError, DataError, ParallelConfigError) as err:
+        err_console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(2) from None
+    if code == 0:
+        _print_summary(cfg.run_dir)
+    raise typer.Exit(code)
+
+
+def _print_summary(run_dir: Path) -> None:
+    from rich.table import Table
+
+    from phalanx.train.metrics import read_metrics
+
+    steps, events = read_metrics(run_dir)
+    if not steps:
+        return
+    table = Table(title=f"run {run_dir}", show_header=False)
+    first, last = steps[0], steps[-1]
+    median_tps = sorted(s["tokens_per_s"] for s in steps)[len(steps) // 2]
+    table.add_row("steps", f"{last['step']}")
+    table.add_row("loss", f"{first['loss']:.4f} → {last['loss']:.4f}")
+    table.add_row("samples consumed", f"{last['samples_consumed']}")
+    table.add_row("median tokens/s", f"{median_tps:,.0f}")
+    table.add_row("checkpoints saved", str(sum(e["event"] == "checkpoint_saved" for e in events)))
+    table.add_row("resumes", str(sum(e["event"] == "resumed" for e in events)))
+    table.add_row("metrics", str(Path(run_dir) / "metrics.jsonl"))
+    Console().print(table)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

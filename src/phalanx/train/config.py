@@ -1,0 +1,201 @@
+"""The training job's configuration: one typed, validated YAML file.
+
+Validated at the edge (the CLI, before any process starts): an error names the field, the value and the
+fix. `load_config(path, overrides)` applies `key.sub=value` overrides from the command line. Knows
+nothing about processes, meshes or models beyond their names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from phalanx.models.config import PRESETS
+
+
+class ConfigError(ValueError):
+    """A training config that cannot run."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    preset: str | None = "tiny"
+    # Continual pretraining: a local Hugging Face directory (config.json + *.safetensors). Its weights
+    # initialise the run (when no Phalanx checkpoint exists yet) and its config.json gives the shapes.
+    hf_path: Path | None = None
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v):
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(PRESETS)} or set model.hf_path")
+        return v
+
+
+class ParallelSection(_Strict):
+    dp_replicate: int = Field(1, ge=1, description="replicas (HSDP's replicate degree)")
+    dp_shard: int = Field(-1, description="ranks each replica is sharded over (hybrid_shard_degree); -1 = auto")
+
+
+class DataSection(_Strict):
+    path: Path = Path("data/demo")
+    split: str = "train"
+
+
+class TrainingSection(_Strict):
+    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step, all ranks together")
+    micro_batch_size: int = Field(4, ge=1, description="samples per forward/backward on one rank")
+    max_steps: int = Field(100, ge=1)
+    log_interval: int = Field(1, ge=1)
+
+
+class OptimizerSection(_Strict):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+
+
+class LRScheduleSection(_Strict):
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    # Length of the cosine decay; defaults to training.max_steps. Set it to train a run in pieces.
+    total_steps: int | None = Field(None, ge=1)
+
+
+class ActivationCheckpointingSection(_Strict):
+    mode: Literal["none", "full", "selective"] = "none"
+    every: int = Field(2, ge=1, description="selective: checkpoint every k-th block")
+
+
+class CheckpointSection(_Strict):
+    interval: int = Field(50, ge=0, description="steps between checkpoints; 0 = only at the end")
+    dir: Path | None = Field(None, description="default: <run_dir>/checkpoints")
+    keep: int = Field(3, ge=1, description="committed checkpoints to keep")
+    async_save: bool = Field(False, alias="async")
+    resume: bool = True
+    verify_checksums: bool = True
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class TrainConfig(_Strict):
+    run_dir: Path = Path("runs/default")
+    seed: int = 1234
+    precision: Literal["bf16", "fp32"] = "bf16"
+    reshard_after_forward: bool = True
+    pg_timeout_s: float = Field(300.0, gt=0)
+    model: ModelSection = ModelSection()
+    parallel: ParallelSection = ParallelSection()
+    data: DataSection = DataSection()
+    training: TrainingSection = TrainingSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    lr_schedule: LRScheduleSection = LRScheduleSection()
+    activation_checkpointing: ActivationCheckpointingSection = ActivationCheckpointingSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+
+    @model_validator(mode="after")
+    def _model_source(self):
+        if self.model.hf_path is None and self.model.preset is None:
+            raise ValueError("set model.preset or model.hf_path")
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.checkpoint.dir if self.checkpoint.dir is not None else self.run_dir / "checkpoints"
+
+    @property
+    def decay_steps(self) -> int:
+        return self.lr_schedule.total_steps or self.training.max_steps
+
+    def grad_accum_steps(self, dp_size: int) -> int:
+        """global_batch ÷ (micro_batch × dp); an impossible combination says which numbers to change."""
+        gb, mb = self.training.global_batch_size, self.training.micro_batch_size
+        per_step = mb * dp_size
+        if gb % per_step:
+            lower, upper = (gb // per_step) * per_step, (gb // per_step + 1) * per_step
+            options = [d for d in range(1, mb + 1) if gb % (d * dp_size) == 0]
+            raise ConfigError(
+                f"training.global_batch_size={gb} is not divisible by training.micro_batch_size={mb} × "
+                f"data-parallel size {dp_size} = {per_step}; set global_batch_size to a multiple of {per_step} "
+                f"(e.g. {lower or upper} or {upper})"
+                + (f", or micro_batch_size to one of {options}" if options else "")
+            )
+        return gb // per_step
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. training.max_steps=30)")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else None)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "overrides":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid training config"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {field}: {e['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def config_from_dict(tree: dict, source: str = "config") -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    tree = _merge(tree, parse_overrides(overrides or []))
+    return config_from_dict(tree, str(path) if path else "config")
+
+
+def dump_config(config: TrainConfig) -> dict:
+    return config.model_dump(mode="json", by_alias=True)

@@ -1,0 +1,111 @@
+"""Local launcher: validate a config, then start N worker processes on this machine and watch them.
+
+The config is checked before anything starts (degrees vs world size, batch arithmetic, data files,
+vocabulary), so a bad config starts nothing. Workers get the usual torch variables plus PHALANX_CONFIG.
+If one worker fails, the others are stopped and its exit code is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from phalanx.train.config import ConfigError, TrainConfig, dump_config
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def preflight(config: TrainConfig, nproc: int) -> None:
+    """Every check that needs no process group. Raises ConfigError / DataError / ParallelConfigError."""
+    from phalanx.data import TokenDataset
+    from phalanx.parallel import ParallelDims
+    from phalanx.train.trainer import resolve_model_config
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc={nproc} must be >= 1")
+    dims = ParallelDims(nproc, config.parallel.dp_replicate, config.parallel.dp_shard)
+    config.grad_accum_steps(dims.dp_size)
+    model_config = resolve_model_config(config)
+    dataset = TokenDataset(config.data.path, split=config.data.split)
+    dataset.check_vocab(model_config.vocab_size)
+    if dataset.meta.block_size > model_config.max_seq_len:
+        raise ConfigError(
+            f"data block_size {dataset.meta.block_size} exceeds the model's max_seq_len "
+            f"{model_config.max_seq_len}; re-prepare the data with a smaller --block-size"
+        )
+
+
+def worker_env(rank: int, nproc: int, port: int, config_path: Path, threads: int) -> dict:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PHALANX_CONFIG=str(config_path),
+        OMP_NUM_THREADS=str(threads),
+    )
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = None) -> int:
+    """Run the job to completion on `nproc` local processes. Returns the job's exit code."""
+    preflight(config, nproc)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.json"
+    config_path.write_text(json.dumps(dump_config(config), indent=2))
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // nproc)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "phalanx.train.worker"],
+            env=worker_env(rank, nproc, port, config_path, threads),
+        )
+        for rank in range(nproc)
+    ]
+    try:
+        return _watch(procs)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+
+
+def _watch(procs: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            print(f"worker rank {rank} exited with code {code}; stopping the other workers", file=sys.stderr)
+            _stop(procs)
+            return code if code > 0 else 128 - code
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,273 @@
+"""The training loop: build → (resume) → step → checkpoint, on one worker process.
+
+`Trainer` owns the `TrainState` pieces (model, optimizer, scheduler, step, samples consumed, RNG) and runs
+fixed-global-batch steps with gradient accumulation, clipping and AdamW. It expects torch.distributed to be
+initialised by its caller (`phalanx.train.worker`) and knows nothing about how it was launched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from phalanx.data import GlobalBatchSampler, TokenDataset
+from phalanx.models import ModelConfig, Transformer, get_preset
+from phalanx.parallel import (
+    ParallelDims,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    build_mesh,
+    dp_rank,
+    materialize,
+    random_init_source,
+)
+from phalanx.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from phalanx.train.config import ConfigError, TrainConfig
+from phalanx.train.metrics import MetricsWriter
+from phalanx.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_config(config: TrainConfig) -> ModelConfig:
+    if config.model.hf_path is not None:
+        from phalanx.models.hf import HFCheckpoint
+
+        base = HFCheckpoint(config.model.hf_path).config
+    else:
+        base = get_preset(config.model.preset)
+    try:
+        return base.with_overrides(**config.model.overrides)
+    except TypeError as err:
+        raise ConfigError(f"model.overrides: {err}; valid keys: {sorted(base.to_dict())}") from None
+
+
+class ModelOptimState(Stateful):
+    """Model + optimizer as one DCP item (sharded, reshardable)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        return {
+            "model": get_model_state_dict(self.model),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+        }
+
+    def load_state_dict(self, state):
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=True))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+
+
+@dataclass
+class Progress:
+    """Where the run is: the optimizer steps taken and the samples consumed (one integer each)."""
+
+    step: int = 0
+    samples_consumed: int = 0
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims(self.world_size, config.parallel.dp_replicate, config.parallel.dp_shard)
+        self.accum = config.grad_accum_steps(self.dims.dp_size)
+        self.mesh = build_mesh(self.dims, device.type)
+        self.dp_rank = dp_rank(self.mesh)
+
+        self.dataset = TokenDataset(config.data.path, split=config.data.split)
+        self.model_config = resolve_model_config(config)
+        self.dataset.check_vocab(self.model_config.vocab_size)
+        if self.dataset.meta.block_size > self.model_config.max_seq_len:
+            raise ConfigError(
+                f"data block_size {self.dataset.meta.block_size} exceeds the model's max_seq_len "
+                f"{self.model_config.max_seq_len}; re-prepare the data with a smaller --block-size"
+            )
+        self.sampler = GlobalBatchSampler(
+            num_samples=len(self.dataset),
+            global_batch_size=config.training.global_batch_size,
+            seed=config.seed,
+            dp_rank=self.dp_rank,
+            dp_size=self.dims.dp_size,
+        )
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, config)
+        self.scheduler = build_scheduler(self.optimizer, config)
+        self.progress = Progress()
+        self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps)
+        self.checkpoints = CheckpointManager(
+            config.checkpoint_dir,
+            keep=config.checkpoint.keep,
+            async_save=config.checkpoint.async_save,
+            verify_checksums=config.checkpoint.verify_checksums,
+        )
+
+    # ---- build ----------------------------------------------------------------------------------
+    def _build_model(self) -> Transformer:
+        with torch.device("meta"):
+            model = Transformer(self.model_config)
+        ac = self.config.activation_checkpointing
+        apply_activation_checkpointing(model, ac.mode, ac.every)
+        apply_fsdp(
+            model,
+            self.mesh,
+            precision=self.config.precision,
+            reshard_after_forward=self.config.reshard_after_forward,
+        )
+        if self.config.model.hf_path is not None:
+            from phalanx.models.hf import HFCheckpoint
+
+            hf = HFCheckpoint(self.config.model.hf_path)
+            source = lambda name, shape, a, b, dtype: hf.read_rows(name, a, b, dtype)  # noqa: E731
+        else:
+            source = random_init_source(model, self.config.seed)
+        self.local_numel = materialize(model, self.device, source)
+        return model
+
+    # ---- checkpoint state -----------------------------------------------------------------------
+    def _state(self) -> dict:
+        lr_state = self.scheduler.state_dict()
+        lr_state.pop("lr_lambdas", None)
+        return {
+            "model_optim": ModelOptimState(self.model, self.optimizer),
+            "train": {
+                "step": self.progress.step,
+                "samples_consumed": self.progress.samples_consumed,
+                "world_size": self.world_size,
+                "lr_scheduler": lr_state,
+            },
+            f"rng/rank{self.rank}": rng_state(),
+        }
+
+    def save_checkpoint(self) -> None:
+        start = time.perf_counter()
+        self.checkpoints.save(self.progress.step, self._state())
+        self.metrics.event(
+            "checkpoint_saved" if not self.config.checkpoint.async_save else "checkpoint_started",
+            step=self.progress.step,
+            seconds=round(time.perf_counter() - start, 3),
+            dir=str(self.config.checkpoint_dir),
+        )
+
+    def maybe_resume(self) -> bool:
+        if not self.config.checkpoint.resume:
+            return False
+        step = self.checkpoints.latest_valid_step()
+        if step is None:
+            return False
+        start = time.perf_counter()
+        state = self._state()
+        saved_world = {"world_size": None}
+        # World size first: per-rank RNG streams only exist for ranks the saving run had.
+        probe = {"train": {"step": 0, "samples_consumed": 0, "world_size": 0, "lr_scheduler": state["train"]["lr_scheduler"]}}
+        self.checkpoints.load(step, probe)
+        saved_world["world_size"] = probe["train"]["world_size"]
+        if saved_world["world_size"] != self.world_size:
+            state.pop(f"rng/rank{self.rank}")
+        self.checkpoints.load(step, state)
+        train = state["train"]
+        self.progress = Progress(step=train["step"], samples_consumed=train["samples_consumed"])
+        # The schedule's lambdas are code, not state: keep ours, restore the counters.
+        lambdas = [None] * len(self.scheduler.lr_lambdas)
+        self.scheduler.load_state_dict({**train["lr_scheduler"], "lr_lambdas": lambdas})
+        if f"rng/rank{self.rank}" in state:
+            set_rng_state(state[f"rng/rank{self.rank}"])
+        self.metrics.event(
+            "resumed",
+            step=self.progress.step,
+            samples_consumed=self.progress.samples_consumed,
+            from_world_size=saved_world["world_size"],
+            world_size=self.world_size,
+            seconds=round(time.perf_counter() - start, 3),
+        )
+        return True
+
+    # ---- the step -------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg = self.config
+        start = time.perf_counter()
+        micro_batches = self.sampler.local_micro_batches(
+            self.progress.samples_consumed, cfg.training.micro_batch_size
+        )
+        assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
+        loss_sum = torch.zeros((), device=self.device)
+        for indices in micro_batches:
+            tokens = self.dataset.get_batch(indices).to(self.device, non_blocking=True)
+            loss, _aux = self.model(tokens, tokens)
+            (loss / self.accum).backward()
+            loss_sum += loss.detach()
+        max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        # Mean loss over the global batch (every data-parallel rank contributes equally).
+        loss_mean = loss_sum / self.accum
+        dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM)
+        loss_mean /= self.world_size
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - start
+
+        self.progress.step += 1
+        self.progress.samples_consumed += cfg.training.global_batch_size
+        tokens_per_step = cfg.training.global_batch_size * self.dataset.meta.block_size
+        return {
+            "step": self.progress.step,
+            "loss": loss_mean.item(),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "samples_consumed": self.progress.samples_consumed,
+        }
+
+    def fit(self) -> Progress:
+        """Train to `training.max_steps`, checkpointing every `checkpoint.interval` steps and at the end."""
+        cfg = self.config
+        if self.maybe_resume():
+            saved_step = self.progress.step
+        else:
+            saved_step = None
+            self.metrics.event(
+                "started",
+                world_size=self.world_size,
+                layout=self.dims.describe(),
+                grad_accum=self.accum,
+                model_params=self.model_config.num_params(),
+                local_params=self.local_numel,
+            )
+        interval, max_steps = cfg.checkpoint.interval, cfg.training.max_steps
+        try:
+            while self.progress.step < max_steps:
+                record = self.train_step()
+                step = record["step"]
+                self.metrics.step(record, print_line=step % cfg.training.log_interval == 0 or step == max_steps)
+                if (interval and step % interval == 0) or step == max_steps:
+                    self.save_checkpoint()
+                    saved_step = step
+            if saved_step != self.progress.step:
+                self.save_checkpoint()
+            self.checkpoints.close()
+            self.metrics.event("finished", step=self.progress.step, samples_consumed=self.progress.samples_consumed)
+        finally:
+            self.metrics.close()
+        return self.progress
