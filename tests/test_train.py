@@ -80,3 +80,29 @@ def test_corrupted_and_partial_checkpoints_are_skipped(tmp_path, demo_data, capl
     assert resume["step"] == 5, "must fall back to the last good checkpoint"
     after = [s["step"] for s in steps][10:]
     assert after == list(range(6, 13))
+
+
+def test_continual_pretraining_from_a_mistral_checkpoint_is_one_config_line(tmp_path, demo_data):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from phalanx.data import GlobalBatchSampler, TokenDataset
+
+    hf_dir = tmp_path / "mistral"
+    torch.manual_seed(0)
+    hf_config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+                              max_position_embeddings=128)
+    hf_model = MistralForCausalLM(hf_config).eval()
+    hf_model.save_pretrained(hf_dir)
+
+    cfg = tiny_config(tmp_path / "cpt", demo_data, model={"preset": None, "hf_path": str(hf_dir), "overrides": {}},
+                      training={"max_steps": 2})
+    steps = run_training(cfg, nproc=2)
+
+    # Step 1's loss is the HF model's loss on the same first global batch, before any update.
+    dataset = TokenDataset(demo_data)
+    batch = dataset.get_batch(GlobalBatchSampler(len(dataset), 8, seed=cfg.seed, dp_rank=0, dp_size=1).global_batch(0))
+    with torch.no_grad():
+        expected = hf_model(batch, labels=batch).loss.item()
+    assert abs(steps[0]["loss"] - expected) <= 1e-5, (steps[0]["loss"], expected)

@@ -152,9 +152,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # Tied: the output projection reads the embedding matrix (no second, aliased Parameter, which
+        # `to_empty` and sharding would silently untie).
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         h = self.model.embed_tokens(input_ids)
@@ -166,7 +166,8 @@ class Transformer(nn.Module):
             h, aux = layer(h, cos, sin, mask)
             if aux is not None:
                 aux_losses.append(aux)
-        logits = self.lm_head(self.model.norm(h))
+        h = self.model.norm(h)
+        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
         if labels is None:
             return logits
         loss = F.cross_entropy(

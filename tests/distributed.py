@@ -1,0 +1,40 @@
+"""Run a function on N real processes with a gloo process group; collect each rank's return value."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        result = fn(*args)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_distributed(fn, world_size: int, tmp_path: Path, *args) -> list:
+    """`fn(*args)` on `world_size` spawned processes; returns [rank 0's result, rank 1's, ...]."""
+    out_dir = Path(tmp_path) / f"results-{fn.__name__}-{world_size}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_entry, args=(fn, world_size, _free_port(), str(out_dir), args), nprocs=world_size, join=True)
+    return [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
