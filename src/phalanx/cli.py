@@ -39,6 +39,30 @@ def train(
     raise typer.Exit(code)
 
 
+@app.command("export-hf")
+def export_hf_command(
+    checkpoint: Path = typer.Argument(..., help="run dir, its checkpoints dir, or one step-NNNNNNNN dir"),
+    out: Path = typer.Argument(..., help="new Hugging Face model directory"),
+    config: Optional[Path] = typer.Option(None, help="the run's config.json (found next to the run by default)"),
+    bf16: bool = typer.Option(False, "--bf16", help="write bfloat16 weights"),
+    overwrite: bool = typer.Option(False, help="replace an existing HF checkpoint at OUT"),
+) -> None:
+    """Export a committed checkpoint's model weights as a Hugging Face directory (safetensors)."""
+    import torch
+
+    from phalanx.models.hf import HFFormatError
+    from phalanx.train.config import ConfigError
+    from phalanx.train.export import export_hf
+
+    try:
+        path = export_hf(checkpoint, out, config_path=config, dtype=torch.bfloat16 if bf16 else None,
+                         overwrite=overwrite)
+    except (ConfigError, HFFormatError) as err:
+        err_console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(2) from None
+    Console().print(f"wrote {path}")
+
+
 def _print_summary(run_dir: Path) -> None:
     from rich.table import Table
 

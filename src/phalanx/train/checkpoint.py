@@ -149,17 +149,24 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
 
     # ---- load -----------------------------------------------------------------------------------
-    def latest_valid_step(self) -> int | None:
-        """Rank 0 picks the newest checkpoint that verifies; every rank gets the same answer."""
-        choice: list = [None]
+    def latest_valid_step(self) -> tuple[int | None, list[tuple[int, str]]]:
+        """Rank 0 picks the newest checkpoint that verifies; every rank gets the same answer.
+
+        Returns (step or None, [(skipped step, what is wrong with it), ...]).
+        """
+        choice: list = [(None, [])]
         if self.rank == 0:
+            skipped = []
             for step in committed_steps(self.root):
                 problem = verify(step_dir(self.root, step), self.verify_checksums)
                 if problem is None:
-                    choice[0] = step
+                    choice[0] = (step, skipped)
                     break
                 log.warning("checkpoint step %d at %s is unusable (%s); falling back to an older one",
                             step, step_dir(self.root, step), problem)
+                skipped.append((step, problem))
+            else:
+                choice[0] = (None, skipped)
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 

@@ -29,20 +29,14 @@ def preflight(config: TrainConfig, nproc: int) -> None:
     """Every check that needs no process group. Raises ConfigError / DataError / ParallelConfigError."""
     from phalanx.data import TokenDataset
     from phalanx.parallel import ParallelDims
-    from phalanx.train.trainer import resolve_model_config
+    from phalanx.train.trainer import check_data_fits_model, resolve_model_config
 
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be >= 1")
     dims = ParallelDims(nproc, config.parallel.dp_replicate, config.parallel.dp_shard)
     config.grad_accum_steps(dims.dp_size)
     model_config = resolve_model_config(config)
-    dataset = TokenDataset(config.data.path, split=config.data.split)
-    dataset.check_vocab(model_config.vocab_size)
-    if dataset.meta.block_size > model_config.max_seq_len:
-        raise ConfigError(
-            f"data block_size {dataset.meta.block_size} exceeds the model's max_seq_len "
-            f"{model_config.max_seq_len}; re-prepare the data with a smaller --block-size"
-        )
+    check_data_fits_model(TokenDataset(config.data.path, split=config.data.split), model_config)
 
 
 def worker_env(rank: int, nproc: int, port: int, config_path: Path, threads: int) -> dict:

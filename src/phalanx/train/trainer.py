@@ -54,6 +54,16 @@ def resolve_model_config(config: TrainConfig) -> ModelConfig:
         raise ConfigError(f"model.overrides: {err}; valid keys: {sorted(base.to_dict())}") from None
 
 
+def check_data_fits_model(dataset: TokenDataset, model_config: ModelConfig) -> None:
+    """The token file's vocabulary and block size must fit the model."""
+    dataset.check_vocab(model_config.vocab_size)
+    if dataset.meta.block_size > model_config.max_seq_len:
+        raise ConfigError(
+            f"data block_size {dataset.meta.block_size} exceeds the model's max_seq_len "
+            f"{model_config.max_seq_len}; re-prepare the data with a smaller --block-size"
+        )
+
+
 class ModelOptimState(Stateful):
     """Model + optimizer as one DCP item (sharded, reshardable)."""
 
@@ -91,12 +101,7 @@ class Trainer:
 
         self.dataset = TokenDataset(config.data.path, split=config.data.split)
         self.model_config = resolve_model_config(config)
-        self.dataset.check_vocab(self.model_config.vocab_size)
-        if self.dataset.meta.block_size > self.model_config.max_seq_len:
-            raise ConfigError(
-                f"data block_size {self.dataset.meta.block_size} exceeds the model's max_seq_len "
-                f"{self.model_config.max_seq_len}; re-prepare the data with a smaller --block-size"
-            )
+        check_data_fits_model(self.dataset, self.model_config)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.dataset),
             global_batch_size=config.training.global_batch_size,
@@ -166,17 +171,18 @@ class Trainer:
     def maybe_resume(self) -> bool:
         if not self.config.checkpoint.resume:
             return False
-        step = self.checkpoints.latest_valid_step()
+        step, skipped = self.checkpoints.latest_valid_step()
+        for bad_step, problem in skipped:
+            self.metrics.event("checkpoint_skipped", step=bad_step, reason=problem)
         if step is None:
             return False
         start = time.perf_counter()
         state = self._state()
-        saved_world = {"world_size": None}
-        # World size first: per-rank RNG streams only exist for ranks the saving run had.
-        probe = {"train": {"step": 0, "samples_consumed": 0, "world_size": 0, "lr_scheduler": state["train"]["lr_scheduler"]}}
+        # World size first: per-rank RNG streams exist only for the ranks the saving run had.
+        probe = {"train": dict(state["train"])}
         self.checkpoints.load(step, probe)
-        saved_world["world_size"] = probe["train"]["world_size"]
-        if saved_world["world_size"] != self.world_size:
+        saved_world = probe["train"]["world_size"]
+        if saved_world != self.world_size:
             state.pop(f"rng/rank{self.rank}")
         self.checkpoints.load(step, state)
         train = state["train"]
@@ -190,7 +196,7 @@ class Trainer:
             "resumed",
             step=self.progress.step,
             samples_consumed=self.progress.samples_consumed,
-            from_world_size=saved_world["world_size"],
+            from_world_size=saved_world,
             world_size=self.world_size,
             seconds=round(time.perf_counter() - start, 3),
         )
