@@ -8,10 +8,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from phalanx.control.cli import cluster_app, fault_app
 from phalanx.data.cli import data_app
 
 app = typer.Typer(help="Phalanx: self-healing foundation-model training on PyTorch.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+app.add_typer(cluster_app, name="cluster")
+app.add_typer(fault_app, name="fault")
 err_console = Console(stderr=True, highlight=False)
 
 

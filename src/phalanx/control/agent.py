@@ -1,0 +1,231 @@
+"""The node agent: `python -m phalanx.control.agent --config WORK_DIR/agent.json`, one per node.
+
+It brings its node up and keeps reporting on it:
+  1. heartbeats to the controller from the start (the first heartbeat registers it), every
+     `heartbeat_interval_s`, carrying its phase, the lifecycle script's result and the latest health;
+  2. runs the `on_create` lifecycle script in its work dir (output to lifecycle.log; on failure the tail
+     goes into the report and the controller marks the node faulty);
+  3. runs the health checks (`phalanx.control.health`) now and then every `check_interval_s`.
+
+The controller answers each heartbeat with what it wants: keep running, or terminate; and hands over
+injected faults (`fail-health` makes the next check report a failure, the same path a real failure takes).
+When the controller is unreachable the agent keeps its node as it is and retries, re-reading the
+controller's endpoint file (a restarted controller may listen elsewhere). It exits when told to, when its
+node is unknown to the controller (deleted), or when its work dir disappears.
+
+Must not know: the reconciler's policy, SQLite, torch. Workers (next milestone) are started with the env
+from `phalanx.control.seam`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from phalanx.control import health
+from phalanx.control.http import ApiError, ControllerUnreachable, request_json
+
+log = logging.getLogger("phalanx.agent")
+TAIL_LINES = 20
+
+
+def output_tail(path: Path, lines: int = TAIL_LINES, max_chars: int = 4000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])[-max_chars:]
+
+
+class Agent:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.name: str = cfg["node"]
+        self.work_dir = Path(cfg["work_dir"])
+        self.token = Path(cfg["token_file"]).read_text().strip()
+        self.endpoint_file = Path(cfg["endpoint_file"])
+        self.interval = float(cfg["heartbeat_interval_s"])
+        self.stop = threading.Event()
+        self.wake_checks = threading.Event()
+        self.lock = threading.Lock()
+        self.phase = "configuring"  # configuring → health-checking → ready | failed
+        self.lifecycle: dict | None = None
+        self.health: dict | None = None
+        self.injected: list[str] = []
+        self.exit_reason = ""
+        self._lifecycle_proc: subprocess.Popen | None = None
+        self._gpus = health.GpuMonitor(int(cfg["gpus"]), cfg["instance_type"])
+
+    # ---- bring-up and health (a thread, so heartbeats never wait on a slow script) -------------------
+    def bring_up(self) -> None:
+        try:
+            ok = self.run_lifecycle()
+            if not ok:
+                self._set(phase="failed")
+                return
+            self._set(phase="health-checking")
+            self.run_checks(first=True)
+            self._set(phase="ready")
+            while not self.stop.is_set():
+                self.wake_checks.wait(float(self.cfg["check_interval_s"]))
+                self.wake_checks.clear()
+                if not self.stop.is_set():
+                    self.run_checks()
+        except Exception as err:  # a bug here must show up as a failed node, not a silent thread death
+            log.exception("bring-up failed")
+            self._set(phase="failed", lifecycle={"ok": False, "exit_code": None, "duration_s": 0.0, "log": None,
+                                                  "detail": f"agent error during bring-up or health checks: {err!r}",
+                                                  "tail": f"see {self.work_dir / 'agent.log'}"})
+
+    def _set(self, **fields) -> None:
+        with self.lock:
+            for k, v in fields.items():
+                setattr(self, k, v)
+
+    def run_lifecycle(self) -> bool:
+        script = self.cfg.get("on_create")
+        if not script:
+            self._set(lifecycle={"ok": True, "exit_code": None, "duration_s": 0.0, "tail": "", "log": None,
+                                 "detail": "no on_create script"})
+            return True
+        log_path = self.work_dir / "lifecycle.log"
+        cmd = [script] if os.access(script, os.X_OK) else ["/bin/sh", script]
+        env = dict(os.environ, PHALANX_NODE_NAME=self.name, PHALANX_GROUP=self.cfg["group"],
+                   PHALANX_INSTANCE_TYPE=self.cfg["instance_type"], PHALANX_WORK_DIR=str(self.work_dir),
+                   PHALANX_CLUSTER=self.cfg["cluster"])
+        log.info("running lifecycle script %s (output: %s)", script, log_path)
+        start = time.monotonic()
+        timeout = float(self.cfg["lifecycle_timeout_s"])
+        with open(log_path, "wb") as out:
+            self._lifecycle_proc = proc = subprocess.Popen(cmd, cwd=self.work_dir, stdout=out,
+                                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                           env=env)
+            try:
+                code = proc.wait(timeout=timeout)
+                detail = f"exited with code {code}"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+                detail = f"timed out after {timeout:g} s and was killed"
+        duration = time.monotonic() - start
+        ok = code == 0 and not self.stop.is_set()
+        if ok:
+            detail = f"succeeded in {duration:.2f} s"
+        result = {"ok": ok, "exit_code": code, "duration_s": round(duration, 3), "tail": output_tail(log_path),
+                  "log": str(log_path), "detail": f"lifecycle script {script} {detail}"}
+        self._set(lifecycle=result)
+        if ok:
+            log.info("lifecycle script succeeded in %.2f s", duration)
+        else:
+            log.error("lifecycle script %s %s; reporting the node as failed and waiting to be terminated",
+                      script, detail)
+        return ok
+
+    def run_checks(self, *, first: bool = False) -> None:
+        checks = [
+            health.check_disk(self.work_dir, int(self.cfg["min_free_disk_mb"])),
+            health.check_memory(int(self.cfg["min_free_memory_mb"])),
+            health.check_workers({}),
+            *self._gpus.check(),
+        ]
+        if first and self.cfg.get("deep_health_check"):
+            checks.append(health.deep_check_not_run())
+        with self.lock:
+            checks += [health.injected_failure(kind) for kind in self.injected]
+        result = health.report(checks)
+        if not result["ok"]:
+            log.error("health check failed: %s; reporting it, the controller decides what happens next",
+                      health.summarize_failure(result))
+        self._set(health=result)
+
+    # ---- heartbeats (the main thread) ---------------------------------------------------------------
+    def endpoint_url(self) -> str | None:
+        try:
+            ep = json.loads(self.endpoint_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return f"http://{ep['connect_host']}:{ep['api_port']}"
+
+    def heartbeat_body(self) -> dict:
+        with self.lock:
+            return {"pid": os.getpid(), "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
+                    "sent_at": time.time()}
+
+    def handle_reply(self, reply: dict) -> None:
+        for fault in reply.get("faults", []):
+            log.warning("fault injected by operator: %s; the next health check reports it", fault)
+            with self.lock:
+                self.injected.append(fault)
+            self.wake_checks.set()
+        if reply.get("action") == "terminate":
+            self.exit_reason = f"controller asked this node to terminate: {reply.get('reason', '')}"
+            self.stop.set()
+
+    def run(self) -> int:
+        threading.Thread(target=self.bring_up, name="bring-up", daemon=True).start()
+        url, down_since = self.endpoint_url(), None
+        while not self.stop.is_set():
+            if not self.work_dir.is_dir():
+                self.exit_reason = f"work dir {self.work_dir} is gone (cluster deleted)"
+                break
+            try:
+                if url is None:
+                    raise ControllerUnreachable(f"no endpoint file at {self.endpoint_file}")
+                reply = request_json("POST", f"{url}/v1/nodes/{self.name}/heartbeat", self.token,
+                                     self.heartbeat_body(), timeout=max(2.0, 4 * self.interval))
+                if down_since is not None:
+                    log.info("controller reachable again at %s after %.1f s", url, time.monotonic() - down_since)
+                    down_since = None
+                self.handle_reply(reply)
+            except ControllerUnreachable as err:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("controller unreachable (%s); node keeps running, retrying every %g s", err,
+                                self.interval)
+                url = self.endpoint_url()
+            except ApiError as err:
+                if err.status in (404, 410):
+                    self.exit_reason = f"controller does not know node {self.name} ({err.detail})"
+                    break
+                log.error("heartbeat refused (%s); retrying in %g s", err, self.interval)
+            self.stop.wait(self.interval)
+        self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.wake_checks.set()
+        proc = self._lifecycle_proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.info("agent exiting: %s", self.exit_reason or "stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Phalanx node agent")
+    parser.add_argument("--config", required=True, type=Path, help="agent.json written by the backend")
+    args = parser.parse_args(argv)
+    cfg = json.loads(args.config.read_text())
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent {cfg['node']} %(levelname)s: %(message)s")
+    agent = Agent(cfg)
+
+    def on_term(signum, _frame):
+        agent.exit_reason = f"received signal {signal.Signals(signum).name}"
+        agent.stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

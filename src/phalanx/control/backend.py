@@ -1,0 +1,161 @@
+"""Where nodes come from. The `local` backend: a node is an agent process on this machine, in its own
+session (so its process group is the node: the agent plus everything it starts), with its own work dir.
+
+    launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent` → pid
+    gone(node)        None while the node's agent runs, else why it is gone (exit code / signal)
+    terminate(node)   SIGTERM the agent (it stops its children and exits); SIGCONT in case it is frozen
+    kill(node)        SIGKILL the whole node (its process group) — what a power loss does
+    freeze(node)      SIGSTOP the agent: alive but silent, like a hung host or a partitioned network
+
+Processes are always identified by pid *and* command line (a pid alone may have been reused).
+Knows nothing about the reconciler's policy, HTTP or SQLite. A Slurm backend will offer the same methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from phalanx.control.paths import ClusterPaths
+from phalanx.control.spec import ClusterSpec
+from phalanx.control.store import Node
+
+AGENT_MODULE = "phalanx.control.agent"
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, process group) of a live process, None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return fields[0], int(fields[2])
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def process_running(pid: int | None, marker: str) -> bool:
+    """A live (not zombie) process `pid` whose command line contains `marker`."""
+    if not pid:
+        return False
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] != "Z" and marker in cmdline(pid)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (used to prove nothing was left behind)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            stat = _proc_stat(int(entry))
+            if stat is not None and stat[0] != "Z" and text in cmdline(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+def process_group_members(pgid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _proc_stat(int(entry))
+            if stat is not None and stat[0] != "Z" and stat[1] == pgid:
+                found.append(int(entry))
+    return found
+
+
+def describe_exit(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+class LocalBackend:
+    def __init__(self, paths: ClusterPaths, spec: ClusterSpec):
+        self.paths = paths
+        self.spec = spec
+        self._children: dict[str, subprocess.Popen] = {}  # agents this controller process started
+
+    def agent_config_path(self, node: Node) -> Path:
+        return Path(node.work_dir) / "agent.json"
+
+    def _marker(self, node: Node) -> str:
+        return str(self.agent_config_path(node))
+
+    def launch(self, node: Node) -> int:
+        group = self.spec.group(node.group)
+        work = Path(node.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        h = self.spec.health
+        cfg = {
+            "cluster": self.spec.name, "node": node.name, "group": group.name,
+            "instance_type": group.instance_type, "gpus": group.profile.gpus,
+            "worker_slots": group.profile.worker_slots, "work_dir": str(work),
+            "on_create": str(group.on_create) if group.on_create else None,
+            "token_file": str(self.paths.token), "endpoint_file": str(self.paths.endpoint),
+            "heartbeat_interval_s": h.heartbeat_interval_s, "check_interval_s": h.check_interval_s,
+            "hang_timeout_s": h.hang_timeout_s, "deep_health_check": h.deep_health_check,
+            "min_free_disk_mb": h.min_free_disk_mb, "min_free_memory_mb": h.min_free_memory_mb,
+            "lifecycle_timeout_s": h.lifecycle_timeout_s,
+        }
+        config_path = self.agent_config_path(node)
+        config_path.write_text(json.dumps(cfg, indent=2))
+        with open(work / "agent.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", AGENT_MODULE, "--config", str(config_path)],
+                cwd=work, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        self._children[node.name] = proc
+        return proc.pid
+
+    def gone(self, node: Node) -> str | None:
+        """None while the node's agent process runs; otherwise a phrase saying how it ended."""
+        child = self._children.get(node.name)
+        if child is not None:
+            code = child.poll()
+            return None if code is None else f"agent process {child.pid} {describe_exit(code)}"
+        if process_running(node.pid, self._marker(node)):
+            return None
+        return f"agent process {node.pid} is no longer running"
+
+    def _signal_agent(self, node: Node, sig: signal.Signals) -> bool:
+        if node.pid and self.gone(node) is None:
+            os.kill(node.pid, sig)
+            return True
+        return False
+
+    def terminate(self, node: Node) -> None:
+        if self._signal_agent(node, signal.SIGTERM):
+            os.kill(node.pid, signal.SIGCONT)
+
+    def freeze(self, node: Node) -> None:
+        if not self._signal_agent(node, signal.SIGSTOP):
+            raise ProcessLookupError(f"node {node.name}: agent process {node.pid} is not running")
+
+    def kill(self, node: Node) -> list[int]:
+        """SIGKILL every process of the node (the agent's process group). Returns the pids signalled."""
+        if not node.pid:
+            return []
+        members = process_group_members(node.pid)  # the agent, its lifecycle script, its workers
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # exited between the scan and the signal: the goal is reached
+        child = self._children.get(node.name)
+        if child is not None:
+            child.wait()
+        return members
+
+    def forget(self, node: Node) -> None:
+        child = self._children.pop(node.name, None)
+        if child is not None:
+            child.wait()

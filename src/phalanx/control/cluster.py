@@ -1,0 +1,335 @@
+"""The Python API of cluster operations; the `phalanx cluster` CLI is a thin layer over it.
+
+    create_cluster(spec_path)      validate, lay out the cluster dir, start the controller detached, wait
+                                   until every node is healthy (or raise CreateFailed naming the node, the
+                                   reason and the lifecycle script's output tail; nothing is left running)
+    start_controller(name)         restart a stopped controller (nodes were left running)
+    stop_controller(name)          stop only the controller
+    delete_cluster(name)           stop every node and the controller, prove nothing is left, remove the dir
+    ClusterClient(name)            describe / nodes / events / inject_fault over the HTTP API
+
+Talks to a running controller only over HTTP (with the token); reads SQLite directly only to describe a
+cluster whose controller is not running and to find what to stop when the controller is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from phalanx.control.backend import (AGENT_MODULE, cmdline, process_group_members, process_running,
+                                     processes_mentioning)
+from phalanx.control.http import ApiError, ControllerUnreachable, request_json
+from phalanx.control.paths import ClusterPaths, list_clusters, phalanx_home
+from phalanx.control.spec import ClusterSpec, SpecError, check_backend_supported, load_spec
+from phalanx.control.store import ClusterStatus, NodeState, Store, open_existing
+
+CONTROLLER_MODULE = "phalanx.control.controller"  # kept equal to controller.CONTROLLER_MODULE
+
+
+class ClusterError(RuntimeError):
+    """An operation on a cluster that cannot be done (the message says why and what to do)."""
+
+
+class CreateFailed(ClusterError):
+    def __init__(self, message: str, node: str | None = None):
+        super().__init__(message)
+        self.node = node
+
+
+def resolve_name(name: str | None) -> str:
+    if name:
+        if not ClusterPaths.for_name(name).db.exists():
+            known = ", ".join(list_clusters()) or "none"
+            raise ClusterError(f"no cluster named {name!r} under {phalanx_home()} (known: {known})")
+        return name
+    known = list_clusters()
+    if len(known) == 1:
+        return known[0]
+    if not known:
+        raise ClusterError(f"no clusters under {phalanx_home()}; create one with `phalanx cluster create -f SPEC`")
+    raise ClusterError(f"several clusters ({', '.join(known)}); name one")
+
+
+def controller_pid(paths: ClusterPaths) -> int | None:
+    """The pid of this cluster's running controller, or None."""
+    try:
+        pid = int(paths.pid_file.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if process_running(pid, str(paths.root)) else None
+
+
+class ClusterClient:
+    def __init__(self, name: str | None = None, *, timeout_s: float = 5.0):
+        self.name = resolve_name(name)
+        self.paths = ClusterPaths.for_name(self.name)
+        self.token = self.paths.read_token()
+        self.timeout_s = timeout_s
+
+    def url(self) -> str:
+        ep = self.paths.read_endpoint()
+        if ep is None or controller_pid(self.paths) is None:
+            raise ControllerUnreachable(f"the controller of cluster {self.name} is not running "
+                                        f"(`phalanx cluster start {self.name}` restarts it)")
+        return f"http://{ep['connect_host']}:{ep['api_port']}"
+
+    def call(self, method: str, path: str, body: dict | None = None):
+        return request_json(method, self.url() + path, self.token, body, timeout=self.timeout_s)
+
+    def _read_store(self, read):
+        """The read-only view straight from SQLite, for when the controller is not running."""
+        store = open_existing(self.paths.db)
+        try:
+            return read(store)
+        finally:
+            store.close()
+
+    def describe(self) -> dict:
+        """From the controller; from SQLite (controller shown as not running) when it is down."""
+        try:
+            info = self.call("GET", "/v1/cluster")
+            info["controller"]["running"] = True
+        except ControllerUnreachable:
+            info = self._read_store(Store.describe)
+            info["controller"]["running"] = False
+        return info
+
+    def nodes(self) -> list[dict]:
+        """From the controller; from SQLite when it is down (then heartbeats are as last recorded)."""
+        try:
+            return self.call("GET", "/v1/nodes")
+        except ControllerUnreachable:
+            return self._read_store(lambda s: [n.public() for n in s.nodes()])
+
+    def events(self, *, since_id: int = 0, node: str | None = None, limit: int | None = None) -> list[dict]:
+        """The event history (from SQLite directly when the controller is down)."""
+        query = f"?since_id={since_id}" + (f"&node={node}" if node else "") + (f"&limit={limit}" if limit else "")
+        try:
+            return self.call("GET", "/v1/events" + query)
+        except ControllerUnreachable:
+            return self._read_store(lambda s: s.events(since_id=since_id, node=node, limit=limit))
+
+    def inject_fault(self, node: str, kind: str) -> dict:
+        return self.call("POST", f"/v1/nodes/{node}/faults", {"kind": kind})
+
+
+# ---- lifecycle of the controller and the cluster ------------------------------------------------------
+def _spawn_controller(paths: ClusterPaths) -> subprocess.Popen:
+    with open(paths.controller_log, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", CONTROLLER_MODULE, "--cluster-dir", str(paths.root)],
+            cwd=paths.root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+
+def _log_tail(paths: ClusterPaths, lines: int = 15) -> str:
+    try:
+        return "\n".join(paths.controller_log.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no controller log)"
+
+
+def _wait_for_api(paths: ClusterPaths, proc: subprocess.Popen, timeout_s: float) -> ClusterClient:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ClusterError(f"the controller exited with code {proc.returncode} while starting; "
+                               f"its log ({paths.controller_log}) ends:\n{_log_tail(paths)}")
+        ep = paths.read_endpoint()
+        if ep and ep.get("pid") == proc.pid:
+            client = ClusterClient(paths.name)
+            try:
+                client.call("GET", "/v1/cluster")
+                return client
+            except ControllerUnreachable:
+                pass  # listening socket not accepting yet
+        time.sleep(0.1)
+    raise ClusterError(f"the controller did not answer within {timeout_s:g} s; log:\n{_log_tail(paths)}")
+
+
+def create_cluster(spec: ClusterSpec | Path | str, *, timeout_s: float = 300.0, on_status=None) -> dict:
+    """Create a cluster and wait until it is in service. Returns `describe()`. Raises SpecError (nothing
+    started), ClusterError, or CreateFailed (which node failed and why; everything already stopped)."""
+    if not isinstance(spec, ClusterSpec):
+        spec = load_spec(spec)
+    check_backend_supported(spec)
+    paths = ClusterPaths.for_name(spec.name)
+    if paths.root.exists():
+        raise ClusterError(f"cluster {spec.name!r} already exists at {paths.root}; "
+                           f"`phalanx cluster delete {spec.name}` first")
+    paths.root.mkdir(parents=True)
+    paths.spec.write_text(spec.model_dump_json(indent=2))
+    paths.write_token()
+    store = Store(paths.db)
+    store.initialize(spec)
+    store.close()
+
+    proc = _spawn_controller(paths)
+    try:
+        client = _wait_for_api(paths, proc, timeout_s=60)
+    except ClusterError as err:  # e.g. api.port taken: nothing else started, so leave nothing behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(paths.root)
+        raise ClusterError(f"{err}\n(nothing was started; {paths.root} was removed)") from None
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        info = client.describe()
+        if on_status and info["status"] != last:
+            on_status(info)
+        last = info["status"]
+        if info["status"] in (ClusterStatus.IN_SERVICE.value, ClusterStatus.DEGRADED.value):
+            return info
+        if info["status"] == ClusterStatus.FAILED.value or proc.poll() is not None:
+            break
+        if time.monotonic() > deadline:
+            delete_cluster(spec.name, keep_files=True)
+            raise CreateFailed(f"cluster {spec.name} was not ready within {timeout_s:g} s; everything was "
+                               f"stopped. Files kept in {paths.root}")
+        time.sleep(0.2)
+    try:
+        proc.wait(timeout=30)  # a failed creation stops its nodes, then the controller exits
+    except subprocess.TimeoutExpired:
+        pass  # delete_cluster below takes over
+    info = delete_cluster(spec.name, keep_files=True)
+    store = open_existing(paths.db)
+    try:
+        reason = store.cluster()["status_reason"] or "unknown"
+        faulty = [e["node"] for e in store.events() if e["to_state"] == NodeState.FAULTY.value]
+    finally:
+        store.close()
+    leftovers = f" (had to kill {info['killed']} leftover processes)" if info["killed"] else ""
+    raise CreateFailed(f"cluster {spec.name} failed to create: {reason}\nNothing is left running{leftovers}; "
+                       f"files kept in {paths.root} (`phalanx cluster events {spec.name}`; "
+                       f"`phalanx cluster delete {spec.name}` removes them)", node=faulty[0] if faulty else None)
+
+
+def start_controller(name: str | None = None, *, timeout_s: float = 60.0) -> dict:
+    """Start the controller of an existing cluster whose controller is not running."""
+    paths = ClusterPaths.for_name(resolve_name(name))
+    pid = controller_pid(paths)
+    if pid:
+        raise ClusterError(f"the controller of cluster {paths.name} is already running (pid {pid})")
+    store = open_existing(paths.db)
+    try:
+        status = store.cluster()["status"]
+    finally:
+        store.close()
+    if status in (ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
+        raise ClusterError(f"cluster {paths.name} is {status}; "
+                           f"`phalanx cluster delete {paths.name}` and create it again")
+    proc = _spawn_controller(paths)
+    return _wait_for_api(paths, proc, timeout_s).describe()
+
+
+def stop_controller(name: str | None = None, *, timeout_s: float = 30.0) -> int:
+    """Stop only the controller (nodes keep running). Returns its pid."""
+    client = ClusterClient(name)
+    pid = controller_pid(client.paths)
+    if pid is None:
+        raise ClusterError(f"the controller of cluster {client.name} is not running")
+    client.call("POST", "/v1/controller/stop")
+    if not _wait_gone(pid, str(client.paths.root), timeout_s):
+        raise ClusterError(f"controller pid {pid} did not stop within {timeout_s:g} s")
+    return pid
+
+
+def _wait_gone(pid: int, marker: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while process_running(pid, marker):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def delete_cluster(name: str | None = None, *, keep_files: bool = False, timeout_s: float = 30.0) -> dict:
+    """Stop every node and the controller, then make sure no process of the cluster is left (killing any
+    that is, and saying so). Removes the cluster dir unless keep_files. Works with the controller down."""
+    paths = ClusterPaths.for_name(resolve_name(name))
+    root = str(paths.root)
+    pid = controller_pid(paths)
+    if pid:
+        try:
+            ClusterClient(paths.name).call("DELETE", "/v1/cluster")
+        except (ControllerUnreachable, ApiError) as err:
+            print(f"warning: controller pid {pid} did not take the delete request ({err}); next: SIGKILL it "
+                  f"and stop the nodes directly", file=sys.stderr)
+        if not _wait_gone(pid, root, timeout_s):
+            print(f"warning: controller pid {pid} still running after {timeout_s:g} s; next: SIGKILL",
+                  file=sys.stderr)
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid, root, 5)
+    stopped = _stop_nodes_directly(paths)  # none left when the controller did its job
+    if stopped:
+        why = "did not stop them" if pid else "is not running"
+        print(f"controller of cluster {paths.name} {why}: stopped {stopped} nodes directly", file=sys.stderr)
+    killed = _kill_leftovers(paths)
+    if keep_files:
+        store = open_existing(paths.db)
+        try:
+            for n in store.nodes(include_terminated=False):
+                store.transition(n.name, NodeState.TERMINATED, "cluster deleted while its controller was not running")
+            if store.cluster()["status"] not in (ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
+                store.set_status(ClusterStatus.DELETED, "every node and the controller stopped")
+        finally:
+            store.close()
+    else:
+        shutil.rmtree(paths.root)
+    return {"name": paths.name, "controller_pid": pid, "killed": killed}
+
+
+def _stop_nodes_directly(paths: ClusterPaths) -> int:
+    """With the controller down: SIGTERM every running agent, SIGKILL its process group after the grace."""
+    from phalanx.control.backend import LocalBackend
+    from phalanx.control.reconciler import TERMINATE_GRACE_S
+
+    store = open_existing(paths.db)
+    try:
+        backend = LocalBackend(paths, store.spec())
+        running = [n for n in store.nodes(include_terminated=False) if n.pid and backend.gone(n) is None]
+    finally:
+        store.close()
+    for n in running:
+        backend.terminate(n)
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    while time.monotonic() < deadline and any(backend.gone(n) is None for n in running):
+        time.sleep(0.05)
+    for n in running:
+        backend.kill(n)  # stubborn agents, and whatever they left in their process group
+    return len(running)
+
+
+def _kill_leftovers(paths: ClusterPaths) -> list[int]:
+    """SIGKILL whatever of this cluster still runs: nodes' process groups, then anything whose command line
+    names the cluster dir. Empty after a clean delete."""
+    victims: set[int] = set()
+    if paths.db.exists():
+        store = open_existing(paths.db)
+        try:
+            for n in store.nodes():
+                if n.pid and process_running(n.pid, str(Path(n.work_dir) / "agent.json")):
+                    victims.update(process_group_members(n.pid))
+        finally:
+            store.close()
+    victims.update(p for p in processes_mentioning(str(paths.root))
+                   if CONTROLLER_MODULE in cmdline(p) or AGENT_MODULE in cmdline(p))
+    for pid in sorted(victims):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue  # exited by itself meanwhile
+        print(f"warning: process {pid} of cluster {paths.name} was still running after delete; killed it",
+              file=sys.stderr)
+    return sorted(victims)
+
+
+__all__ = ["ClusterClient", "ClusterError", "CreateFailed", "SpecError", "create_cluster", "delete_cluster",
+           "start_controller", "stop_controller", "resolve_name", "controller_pid"]

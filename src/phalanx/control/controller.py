@@ -1,0 +1,195 @@
+"""The controller daemon: `python -m phalanx.control.controller --cluster-dir DIR`, one per cluster.
+
+`phalanx cluster create` / `cluster start` start it detached (its own session; output in
+DIR/controller.log; pid in DIR/controller.pid). It owns:
+  - the truth, in DIR/state.db (`Store`);
+  - the reconciler thread (`Reconciler.tick` every TICK_S);
+  - the HTTP API (FastAPI on uvicorn, loopback by default, cluster token required);
+  - the rendezvous store, a `torch.distributed.TCPStore(is_master=True)`: it lives here, not in rank 0,
+    so it outlives any worker (jobs use it from the next milestone).
+
+A restart rebuilds everything from SQLite: the same API and store ports are reused when free (agents
+re-read DIR/endpoint.json anyway), heartbeat timeouts count from the restart, and running agents are not
+touched. Exits: SIGTERM or POST /v1/controller/stop stop the controller only; DELETE /v1/cluster and a
+failed creation stop every node first.
+
+Must not know: models, training, anything a worker does beyond the seam.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from phalanx.control.api import build_app
+from phalanx.control.backend import LocalBackend, process_running
+from phalanx.control.paths import ClusterPaths
+from phalanx.control.reconciler import TERMINATE_GRACE_S, Reconciler
+from phalanx.control.store import ClusterStatus, NodeState, open_existing
+
+TICK_S = 0.2
+CONTROLLER_MODULE = "phalanx.control.controller"
+log = logging.getLogger("phalanx.controller")
+
+
+def connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def bind_api_socket(host: str, port: int, fallback_to_any: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        if not (fallback_to_any and port):
+            sock.close()
+            raise SystemExit(f"error: cannot listen on {host}:{port} (spec api.host/api.port): {err.strerror}; "
+                             f"choose another port, or 0 to pick a free one") from None
+        log.warning("API port %d is taken (%s); next: listening on a free port (agents re-read endpoint.json)",
+                    port, err)
+        sock.bind((host, 0))
+    return sock
+
+
+def start_rendezvous_store(host: str, port: int | None):
+    """The controller-owned TCPStore. Reuses `port` (a restart) when it is free, else picks one."""
+    import torch.distributed as dist  # only the store: the control plane has no model code
+
+    def make(p: int):
+        return dist.TCPStore(host, p, is_master=True, wait_for_workers=False)
+
+    if port:
+        try:
+            return make(port)
+        except (RuntimeError, OSError) as err:
+            log.warning("rendezvous store port %d is taken (%s); next: a free port (describe shows it)", port, err)
+    return make(0)
+
+
+class Controller:
+    def __init__(self, paths: ClusterPaths):
+        self.paths = paths
+        self.store = open_existing(paths.db)
+        self.spec = self.store.spec()
+        self.token = paths.read_token()
+        self.log = log
+        self.backend = LocalBackend(paths, self.spec)
+        self.server: uvicorn.Server | None = None
+        self._exit = threading.Event()
+        self._stop_nodes_reason: str | None = None
+
+    def request_exit(self, stop_nodes_reason: str | None) -> None:
+        """Stop the controller; with a reason, stop every node first."""
+        if stop_nodes_reason and not self._stop_nodes_reason:
+            self._stop_nodes_reason = stop_nodes_reason
+        self._exit.set()
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def _claim_pid_file(self) -> None:
+        try:
+            other = int(self.paths.pid_file.read_text())
+        except (FileNotFoundError, ValueError):
+            other = None
+        if other and other != os.getpid() and process_running(other, str(self.paths.root)):
+            raise SystemExit(f"controller already running for {self.paths.root} (pid {other})")
+        self.paths.pid_file.write_text(str(os.getpid()))
+
+    def run(self) -> int:
+        self._claim_pid_file()
+        cluster = self.store.cluster()
+        if cluster["status"] in (ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
+            raise SystemExit(f"cluster {cluster['name']} is {cluster['status']}; delete it and create it again")
+        restart = cluster["controller_started_at"] is not None
+        started_at = time.time()
+        host = self.spec.api.host
+        sock = bind_api_socket(host, cluster["api_port"] if restart else self.spec.api.port, fallback_to_any=restart)
+        api_port = sock.getsockname()[1]
+        rendezvous = start_rendezvous_store(connect_host(host), cluster["store_port"])
+        self.store.update_cluster(controller_pid=os.getpid(), controller_started_at=started_at,
+                                  api_host=connect_host(host), api_port=api_port, store_port=rendezvous.port)
+        self.paths.write_endpoint({"pid": os.getpid(), "api_host": host, "connect_host": connect_host(host),
+                                   "api_port": api_port, "store_port": rendezvous.port})
+        if restart:
+            for g in self.store.groups():
+                self.store.update_group(g["name"], provision_failures=0)
+            live = self.store.nodes(include_terminated=False)
+            what = (f"controller restarted (pid {os.getpid()}); view rebuilt from SQLite: {len(live)} live nodes, "
+                    f"heartbeat timeouts count from now")
+        else:
+            what = f"controller started (pid {os.getpid()})"
+        what += f"; API on {connect_host(host)}:{api_port}, rendezvous store on port {rendezvous.port}"
+        self.store.record_event("controller", what)
+        log.info(what)
+
+        reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit)
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self), log_level="warning", access_log=False,
+                                                    lifespan="off"))
+        loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)
+        loop.start()
+        # uvicorn restores the handler it found and re-raises the signal after a graceful shutdown; this one
+        # lets cleanup below run instead of dying there.
+        signal.signal(signal.SIGTERM, lambda s, f: log.info("SIGTERM: controller stops, nodes keep running"))
+        try:
+            if not self._exit.is_set():
+                self.server.run(sockets=[sock])
+        finally:
+            self._exit.set()
+            loop.join(timeout=10)
+            if self._stop_nodes_reason:
+                self.stop_all_nodes(self._stop_nodes_reason)
+                if self.store.cluster()["status"] == ClusterStatus.DELETING.value:
+                    self.store.set_status(ClusterStatus.DELETED, "every node and the controller stopped")
+            self.store.record_event("controller", f"controller stopped (pid {os.getpid()})")
+            self.paths.endpoint.unlink(missing_ok=True)
+            self.paths.pid_file.unlink(missing_ok=True)
+            log.info("controller exiting")
+        return 0
+
+    def _reconcile_loop(self, reconciler: Reconciler) -> None:
+        while not self._exit.is_set():
+            try:
+                reconciler.tick()
+            except Exception:
+                log.exception("reconciler tick failed; next: retrying in %.1f s", TICK_S)
+            self._exit.wait(TICK_S)
+
+    def stop_all_nodes(self, reason: str) -> None:
+        nodes = [n for n in self.store.nodes() if n.state != NodeState.TERMINATED]
+        log.info("stopping %d nodes (%s)", len(nodes), reason.splitlines()[0])
+        for n in nodes:
+            self.backend.terminate(n)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        while time.monotonic() < deadline and any(n.pid and self.backend.gone(n) is None for n in nodes):
+            time.sleep(0.05)
+        for n in nodes:
+            stubborn = n.pid and self.backend.gone(n) is None
+            if stubborn:
+                log.warning("node %s did not stop within %.0f s of SIGTERM; SIGKILL", n.name, TERMINATE_GRACE_S)
+            self.backend.kill(n)  # the agent if stubborn, and anything left in its process group
+            self.backend.forget(n)
+            self.store.transition(n.name, NodeState.TERMINATED, f"{reason.splitlines()[0]}"
+                                  f"{' (SIGKILL after SIGTERM grace)' if stubborn else ''}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Phalanx cluster controller")
+    parser.add_argument("--cluster-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s controller %(levelname)s %(name)s: %(message)s")
+    return Controller(ClusterPaths(args.cluster_dir.resolve())).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Where a cluster's files live: `$PHALANX_HOME/clusters/<name>/` (PHALANX_HOME defaults to ~/.phalanx).
+
+    spec.json        the validated spec the cluster was created from
+    state.db         SQLite (WAL): cluster, groups, nodes, events, jobs — the controller's truth
+    token            the cluster's API token, mode 0600
+    endpoint.json    where the running controller listens (API and rendezvous store); agents re-read it
+    controller.pid   the controller daemon's pid
+    controller.log   the controller's log
+    nodes/<node>/    one work dir per node: agent.log, lifecycle.log, and (next milestone) worker output
+
+Knows only file names: nothing about what runs or what the files mean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def phalanx_home() -> Path:
+    return Path(os.environ.get("PHALANX_HOME") or Path.home() / ".phalanx").expanduser()
+
+
+def clusters_root() -> Path:
+    return phalanx_home() / "clusters"
+
+
+@dataclass(frozen=True)
+class ClusterPaths:
+    root: Path
+
+    @classmethod
+    def for_name(cls, name: str) -> ClusterPaths:
+        return cls(clusters_root() / name)
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def spec(self) -> Path:
+        return self.root / "spec.json"
+
+    @property
+    def db(self) -> Path:
+        return self.root / "state.db"
+
+    @property
+    def token(self) -> Path:
+        return self.root / "token"
+
+    @property
+    def endpoint(self) -> Path:
+        return self.root / "endpoint.json"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "controller.pid"
+
+    @property
+    def controller_log(self) -> Path:
+        return self.root / "controller.log"
+
+    def node_dir(self, node: str) -> Path:
+        return self.root / "nodes" / node
+
+    def write_token(self) -> str:
+        """Create the cluster token, readable by this user only (mode 0600 from the first byte)."""
+        token = secrets.token_urlsafe(32)
+        fd = os.open(self.token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        return token
+
+    def read_token(self) -> str:
+        return self.token.read_text().strip()
+
+    def write_endpoint(self, info: dict) -> None:
+        write_atomic(self.endpoint, json.dumps(info))
+
+    def read_endpoint(self) -> dict | None:
+        try:
+            return json.loads(self.endpoint.read_text())
+        except FileNotFoundError:
+            return None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def list_clusters() -> list[str]:
+    root = clusters_root()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "state.db").exists())

@@ -1,0 +1,239 @@
+"""The level-triggered reconciler: every tick (~0.2 s) it compares what the spec wants with what the
+store and the backend observe, and takes the next step. Nothing is remembered between ticks that is not
+in SQLite, so a restarted controller picks up exactly where the last one stopped.
+
+Each tick:
+  observe   advance every node from the agents' reports (registered → configuring → health-checking →
+            healthy) or mark it faulty: agent process gone, no heartbeat within heartbeat_timeout_s (timed
+            from the later of the last heartbeat and this controller's start), lifecycle script failed,
+            health check failed, never registered within provision_timeout_s
+  creation  while the cluster is `creating`: any faulty node fails the creation (everything is stopped);
+            all nodes healthy → `in-service`
+  recover   node_recovery=automatic: a faulty member is replaced by a healthy spare of its group (the spare
+            becomes a member), or, in a group without spares, by a freshly provisioned node; a faulty spare
+            is retired. node_recovery=none: faulty nodes stay for the operator
+  retire    replacing nodes: SIGTERM, SIGKILL after a grace period, then terminated
+  refill    provision nodes until every group has `count` members and `spares` spares
+
+One log line per fault says what happened and what happens next. Knows nothing about HTTP; reaches
+processes only through the backend. Jobs (next milestone) hook in after `recover`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from phalanx.control.health import summarize_failure
+from phalanx.control.store import BRINGUP_STATES, ClusterStatus, Node, NodeState, Store
+
+log = logging.getLogger("phalanx.reconciler")
+S = NodeState
+TERMINATE_GRACE_S = 5.0
+MAX_PROVISION_FAILURES = 3
+
+
+class Reconciler:
+    def __init__(self, store: Store, backend, *, started_at: float, request_exit: Callable[[str], None]):
+        self.store = store
+        self.backend = backend
+        self.spec = store.spec()
+        self.started_at = started_at
+        self.request_exit = request_exit  # stop every node and exit the controller, with a reason
+        self._said: set[str] = set()  # "waiting" lines already logged (log once, not every tick)
+
+    def tick(self) -> None:
+        status = ClusterStatus(self.store.cluster()["status"])
+        if status not in (ClusterStatus.CREATING, ClusterStatus.IN_SERVICE, ClusterStatus.DEGRADED):
+            return
+        now = time.time()
+        for node in self.store.nodes(include_terminated=False):
+            if node.state not in (S.FAULTY, S.REPLACING):  # already judged; recover/retire take them on
+                self.observe(node, now)
+        if status == ClusterStatus.CREATING:
+            if not self.check_creation():
+                return
+        else:
+            self.recover()
+            self.update_status()
+        self.retire(now)
+        self.refill(creating=status == ClusterStatus.CREATING)
+
+    # ---- observe ------------------------------------------------------------------------------------
+    def observe(self, node: Node, now: float) -> None:
+        h = self.spec.health
+        gone = self.backend.gone(node) if node.pid else None
+        if gone:
+            return self.fault(node, gone)
+        state, report = node.state, node.report or {}
+        if state == S.PROVISIONING:
+            if node.last_heartbeat is None:
+                if now - node.state_since > h.provision_timeout_s:
+                    self.fault(node, f"agent did not register within provision_timeout_s={h.provision_timeout_s:g}")
+                return
+            script = self.spec.group(node.group).on_create
+            node = self.store.transition(node.name, S.CONFIGURING, f"agent registered (pid {node.pid}); "
+                                         f"running lifecycle script {script}" if script else
+                                         f"agent registered (pid {node.pid}); no lifecycle script")
+            state = node.state
+        silent = now - max(node.last_heartbeat, self.started_at)
+        if silent > h.heartbeat_timeout_s:
+            return self.fault(node, f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})")
+        lifecycle = report.get("lifecycle")
+        if report.get("phase") == "failed":  # the lifecycle script failed, or the agent hit an error
+            detail = (lifecycle or {}).get("detail") or "agent reported its bring-up failed"
+            return self.fault(node, f"{detail}; output tail:\n{(lifecycle or {}).get('tail', '')}")
+        if state == S.CONFIGURING and lifecycle and lifecycle["ok"]:
+            node = self.store.transition(node.name, S.HEALTH_CHECKING, lifecycle.get("detail") or
+                                         f"lifecycle script succeeded in {lifecycle['duration_s']:.2f} s")
+            state = node.state
+        health = node.health
+        if state == S.HEALTH_CHECKING and report.get("phase") == "ready" and health:
+            if not health["ok"]:
+                return self.fault(node, f"health check failed during bring-up: {summarize_failure(health)}")
+            passed = ", ".join(f"{c['name']} {c['status']}" for c in health["checks"])
+            self.store.transition(node.name, S.HEALTHY, f"health checks: {passed}")
+            self._reset_failures(node.group)
+            log.info("node %s healthy (%s)", node.name, "spare" if node.is_spare else "member")
+        elif state == S.HEALTHY and health and not health["ok"]:
+            self.fault(node, f"health check failed: {summarize_failure(health)}")
+
+    def fault(self, node: Node, reason: str) -> None:
+        self.store.transition(node.name, S.FAULTY, reason)
+        if node.state in BRINGUP_STATES:
+            g = next(g for g in self.store.groups() if g["name"] == node.group)
+            self.store.update_group(node.group, provision_failures=g["provision_failures"] + 1)
+        log.error("node %s faulty: %s; next: %s", node.name, reason.splitlines()[0], self._next_step(node))
+
+    def _next_step(self, node: Node) -> str:
+        if ClusterStatus(self.store.cluster()["status"]) == ClusterStatus.CREATING:
+            return "cluster creation fails and every node is stopped"
+        if node.is_spare:
+            return "retire it and provision a fresh spare"
+        if self.spec.node_recovery == "none":
+            return "node_recovery=none, leaving it for the operator"
+        if self.spec.group(node.group).spares == 0:
+            return "replace it with a freshly provisioned node (group has no spares)"
+        return "replace it with a healthy spare"
+
+    def _reset_failures(self, group: str) -> None:
+        self.store.update_group(group, provision_failures=0)
+        self._said.discard(f"stuck:{group}")
+
+    # ---- creation -----------------------------------------------------------------------------------
+    def check_creation(self) -> bool:
+        """False when creation failed (the controller is asked to stop everything and exit)."""
+        nodes = self.store.nodes(include_terminated=False)
+        faulty = [n for n in nodes if n.state == S.FAULTY]
+        if faulty:
+            n = faulty[0]
+            reason = f"node {n.name} failed during creation: {n.reason}"
+            self.store.set_status(ClusterStatus.FAILED, reason)
+            log.error("cluster creation failed (%s); next: stopping every node and the controller",
+                      reason.splitlines()[0])
+            self.request_exit(reason)
+            return False
+        wanted = sum(g.count + g.spares for g in self.spec.instance_groups)
+        healthy = [n for n in nodes if n.state == S.HEALTHY]
+        if len(healthy) == wanted == len(nodes):
+            self.store.set_status(ClusterStatus.IN_SERVICE, f"all {wanted} nodes healthy")
+            log.info("cluster %s in service: all %d nodes healthy", self.spec.name, wanted)
+        return True
+
+    def update_status(self) -> None:
+        nodes = self.store.nodes(include_terminated=False)
+        members = [n for n in nodes if n.live and not n.is_spare]
+        unhealthy = [n for n in members if n.state != S.HEALTHY]
+        short = [g.name for g in self.spec.instance_groups if sum(1 for n in members if n.group == g.name) < g.count]
+        if unhealthy or short:
+            what = ", ".join(f"{n.name} {n.state.value}" for n in unhealthy) or f"groups short of members: {short}"
+            self.store.set_status(ClusterStatus.DEGRADED, f"members not healthy: {what}")
+        else:
+            self.store.set_status(ClusterStatus.IN_SERVICE, "every member node healthy")
+
+    # ---- recover ------------------------------------------------------------------------------------
+    def recover(self) -> None:
+        nodes = self.store.nodes(include_terminated=False)
+        for node in (n for n in nodes if n.state == S.FAULTY):
+            if node.is_spare:
+                self.start_retiring(node, "faulty spare retired; the spare pool is refilled")
+            elif self.spec.node_recovery == "none":
+                self._say_once(f"none:{node.name}", f"node {node.name} stays faulty: node_recovery=none")
+            elif self.spec.group(node.group).spares == 0:
+                self.start_retiring(node, "replaced by a freshly provisioned node (group has no spares)")
+            else:
+                spare = next((n for n in nodes if n.group == node.group and n.is_spare and n.state == S.HEALTHY
+                              and n.live), None)
+                if spare is None:
+                    self._say_once(f"wait:{node.name}", f"node {node.name} faulty; waiting for a healthy spare "
+                                                        f"in group {node.group}")
+                    continue
+                self.store.update_node(spare.name, is_spare=0)
+                self.store.record_event("promoted", f"spare promoted to member of group {node.group}, "
+                                                    f"replacing {node.name}", node=spare.name)
+                nodes = [n for n in nodes if n.name != spare.name]
+                self.start_retiring(node, f"replaced by spare {spare.name}")
+                log.info("spare %s promoted to member in place of %s", spare.name, node.name)
+
+    def start_retiring(self, node: Node, reason: str) -> None:
+        node = self.store.transition(node.name, S.REPLACING, f"{reason}; terminating its agent")
+        self.backend.terminate(node)
+
+    def _say_once(self, key: str, line: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(line)
+            self.store.record_event("waiting", line)
+
+    # ---- retire and refill --------------------------------------------------------------------------
+    def retire(self, now: float) -> None:
+        for node in self.store.nodes(include_terminated=False):
+            if node.state != S.REPLACING:
+                continue
+            gone = self.backend.gone(node) if node.pid else "never started"
+            if gone:
+                leftovers = self.backend.kill(node)  # whatever the agent left in its process group
+                self.backend.forget(node)
+                extra = f"; killed {len(leftovers)} leftover processes" if leftovers else ""
+                self.store.transition(node.name, S.TERMINATED, f"{gone}{extra}")
+                log.info("node %s terminated: %s%s", node.name, gone, extra)
+            elif now - node.state_since > TERMINATE_GRACE_S:
+                log.warning("node %s did not stop within %.0f s of SIGTERM; next: SIGKILL", node.name,
+                            TERMINATE_GRACE_S)
+                self.backend.kill(node)
+
+    def refill(self, *, creating: bool) -> None:
+        nodes = self.store.nodes(include_terminated=False)
+        for g in self.store.groups():
+            live = [n for n in nodes if n.group == g["name"] and n.live]
+            members = sum(1 for n in live if not n.is_spare)
+            spares = sum(1 for n in live if n.is_spare)
+            if members >= g["count"] and spares >= g["spares"]:
+                continue
+            if g["provision_failures"] >= MAX_PROVISION_FAILURES:
+                last = next((n.reason for n in reversed(nodes) if n.group == g["name"] and n.state == S.FAULTY), "")
+                self._say_once(f"stuck:{g['name']}", f"group {g['name']}: {g['provision_failures']} nodes in a "
+                               f"row failed to come up (last: {(last or '').splitlines()[0] if last else '?'}); "
+                               f"not provisioning more until the controller restarts (`phalanx cluster stop` "
+                               f"then `phalanx cluster start` once the cause is fixed)")
+                continue
+            for i in range(members, g["count"]):
+                why = f"initial member {i + 1}/{g['count']}" if creating else f"member {i + 1}/{g['count']} missing"
+                self.provision(g["name"], is_spare=False, reason=f"group {g['name']}: {why}")
+            for i in range(spares, g["spares"]):
+                why = (f"initial spare {i + 1}/{g['spares']}" if creating
+                       else f"refilling spare pool ({i + 1}/{g['spares']})")
+                self.provision(g["name"], is_spare=True, reason=f"group {g['name']}: {why}")
+
+    def provision(self, group: str, *, is_spare: bool, reason: str) -> None:
+        node = self.store.add_node(group, is_spare=is_spare, work_root=self.backend.paths.root / "nodes",
+                                   reason=reason)
+        try:
+            pid = self.backend.launch(node)
+        except OSError as err:
+            self.fault(node, f"could not start the agent: {err}")
+            return
+        self.store.update_node(node.name, pid=pid)
+        log.info("provisioning %s (%s, agent pid %d): %s", node.name, "spare" if is_spare else "member", pid,
+                 reason)

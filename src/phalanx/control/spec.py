@@ -1,0 +1,207 @@
+"""The cluster spec: one typed, validated YAML/JSON file, modelled on HyperPod's CreateCluster request.
+
+    name: demo
+    backend: local                  # `slurm` is accepted here but refused at create (not yet implemented)
+    node_recovery: automatic        # automatic: replace faulty nodes (from spares); none: leave them faulty
+    instance_groups:
+      - name: workers
+        instance_type: local.cpu-1  # see INSTANCE_TYPES
+        count: 2
+        spares: 1
+        on_create: lifecycle/on_create.sh   # relative to the spec file; optional
+    health: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3}
+    api: {host: 127.0.0.1, port: 0}
+
+HyperPod has a *controller group* (the Slurm head node). Here the controller is the `phalanx` daemon
+itself, started by `phalanx cluster create` on this machine, so there is no controller group to declare;
+every instance group is a group of worker nodes.
+
+Validated at the edge, before anything starts; an error names the field, the value and the fix. Knows
+nothing about processes, SQLite or HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
+
+
+class SpecError(ValueError):
+    """A cluster spec that cannot be created."""
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    """A resource profile: how many worker processes (CPU) or GPUs one node of this type offers."""
+
+    name: str
+    worker_slots: int  # worker processes per node (one per device on GPU types)
+    gpus: int  # GPUs the health check expects to see on the node
+
+
+INSTANCE_TYPES: dict[str, InstanceType] = {
+    t.name: t
+    for t in (
+        InstanceType("local.cpu-1", worker_slots=1, gpus=0),
+        InstanceType("local.cpu-2", worker_slots=2, gpus=0),
+        InstanceType("local.cpu-4", worker_slots=4, gpus=0),
+        InstanceType("gpu.1", worker_slots=1, gpus=1),
+        InstanceType("gpu.2", worker_slots=2, gpus=2),
+        InstanceType("gpu.4", worker_slots=4, gpus=4),
+        InstanceType("gpu.8", worker_slots=8, gpus=8),
+    )
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InstanceGroupSpec(_Strict):
+    name: str
+    instance_type: str
+    count: int = Field(..., ge=1, description="member nodes the group keeps in service")
+    spares: int = Field(0, ge=0, description="healthy idle nodes kept ready to replace a faulty member")
+    on_create: Path | None = Field(None, description="lifecycle script run on every node it provisions")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.match(NAME_PATTERN, v):
+            raise ValueError(f"{v!r} is not a valid group name: use lowercase letters, digits and '-'")
+        return v
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        if v not in INSTANCE_TYPES:
+            raise ValueError(f"unknown instance type {v!r}; valid instance types: {', '.join(INSTANCE_TYPES)}")
+        return v
+
+    @property
+    def profile(self) -> InstanceType:
+        return INSTANCE_TYPES[self.instance_type]
+
+
+class HealthSpec(_Strict):
+    heartbeat_interval_s: float = Field(0.5, gt=0, le=60)
+    heartbeat_timeout_s: float = Field(3.0, gt=0, description="no heartbeat this long → node faulty")
+    hang_timeout_s: float = Field(300.0, gt=0, description="no training progress this long → worker killed")
+    deep_health_check: bool = Field(False, description="run the deep check while a node is provisioned")
+    check_interval_s: float = Field(5.0, gt=0, description="how often agents re-run their health checks")
+    min_free_disk_mb: int = Field(512, ge=0, description="free space required in a node's work dir")
+    min_free_memory_mb: int = Field(256, ge=0, description="available memory required on the host")
+    provision_timeout_s: float = Field(60.0, gt=0, description="agent must register within this")
+    lifecycle_timeout_s: float = Field(600.0, gt=0, description="on_create script must finish within this")
+
+    @model_validator(mode="after")
+    def _timeout_covers_heartbeats(self) -> HealthSpec:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be at least twice "
+                f"heartbeat_interval_s={self.heartbeat_interval_s}, or one late heartbeat fails a node"
+            )
+        return self
+
+
+class ApiSpec(_Strict):
+    host: str = Field("127.0.0.1", description="listen address; loopback by default")
+    port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+
+
+class ClusterSpec(_Strict):
+    name: str
+    backend: Literal["local", "slurm"] = "local"
+    node_recovery: Literal["automatic", "none"] = "automatic"
+    instance_groups: list[InstanceGroupSpec] = Field(..., min_length=1)
+    health: HealthSpec = HealthSpec()
+    api: ApiSpec = ApiSpec()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.match(NAME_PATTERN, v):
+            raise ValueError(f"{v!r} is not a valid cluster name: 1-40 lowercase letters, digits and '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_groups(self) -> ClusterSpec:
+        names = [g.name for g in self.instance_groups]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"instance group names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def group(self, name: str) -> InstanceGroupSpec:
+        for g in self.instance_groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        value = e.get("input")
+        shown = "" if isinstance(value, (dict, list)) or e["type"] == "missing" else f" (got {value!r})"
+        lines.append(f"  {field}: {msg}{shown}")
+    return f"invalid cluster spec {source}:\n" + "\n".join(lines)
+
+
+def spec_from_dict(tree: object, *, source: str = "<dict>", base_dir: Path | None = None) -> ClusterSpec:
+    """Validate a parsed spec. Lifecycle script paths are resolved against `base_dir` and must exist."""
+    if not isinstance(tree, dict):
+        raise SpecError(f"invalid cluster spec {source}: expected a mapping at the top level, "
+                        f"got {type(tree).__name__}")
+    try:
+        spec = ClusterSpec.model_validate(tree)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(source, err)) from None
+    return _resolve_scripts(spec, base_dir or Path.cwd(), source)
+
+
+def _resolve_scripts(spec: ClusterSpec, base_dir: Path, source: str) -> ClusterSpec:
+    groups = []
+    for i, g in enumerate(spec.instance_groups):
+        if g.on_create is not None:
+            path = (base_dir / g.on_create.expanduser()).resolve()
+            if not path.is_file():
+                raise SpecError(
+                    f"invalid cluster spec {source}:\n  instance_groups.{i}.on_create: lifecycle script "
+                    f"{path} does not exist (paths are relative to the spec file's directory)"
+                )
+            g = g.model_copy(update={"on_create": path})
+        groups.append(g)
+    return spec.model_copy(update={"instance_groups": groups})
+
+
+def load_spec(path: Path | str) -> ClusterSpec:
+    """Read and validate a YAML or JSON spec file. Raises SpecError naming the field and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"cluster spec {path} does not exist")
+    text = path.read_text()
+    try:
+        tree = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise SpecError(f"cluster spec {path} is not valid {kind}: {err}") from None
+    return spec_from_dict(tree, source=str(path), base_dir=path.parent)
+
+
+def check_backend_supported(spec: ClusterSpec) -> None:
+    if spec.backend != "local":
+        raise SpecError(
+            f"backend {spec.backend!r} is not yet implemented; use `backend: local` (each node is an agent "
+            f"process on this machine). The Slurm backend arrives in a later milestone."
+        )

@@ -1,0 +1,337 @@
+"""The controller's truth: SQLite (WAL) in the cluster directory, and the node state machine.
+
+    provisioning ──► configuring ──► health-checking ──► healthy
+          │              │                 │                │
+          └──────────────┴────► faulty ◄───┴────────────────┘
+                                  │
+                                  ▼
+                              replacing ──► terminated      (any state ──► terminated on delete)
+
+Every transition goes through `transition()`, which refuses illegal moves and writes an event with a
+reason, so the events table is a complete history. Tables for jobs and generations exist now and are
+filled by the job scheduler (next milestone).
+
+One connection shared by the controller's threads behind a lock (a few writes per heartbeat interval;
+SQLite serialises writers anyway). Knows nothing about processes, HTTP or the reconciler's policy.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from phalanx.control.spec import ClusterSpec
+
+
+class NodeState(str, Enum):
+    PROVISIONING = "provisioning"
+    CONFIGURING = "configuring"
+    HEALTH_CHECKING = "health-checking"
+    HEALTHY = "healthy"
+    FAULTY = "faulty"
+    REPLACING = "replacing"
+    TERMINATED = "terminated"
+
+
+S = NodeState
+ALLOWED: dict[NodeState, set[NodeState]] = {
+    S.PROVISIONING: {S.CONFIGURING, S.FAULTY, S.TERMINATED},
+    S.CONFIGURING: {S.HEALTH_CHECKING, S.FAULTY, S.TERMINATED},
+    S.HEALTH_CHECKING: {S.HEALTHY, S.FAULTY, S.TERMINATED},
+    S.HEALTHY: {S.FAULTY, S.TERMINATED},
+    S.FAULTY: {S.REPLACING, S.TERMINATED},
+    S.REPLACING: {S.TERMINATED},
+    S.TERMINATED: set(),
+}
+BRINGUP_STATES = (S.PROVISIONING, S.CONFIGURING, S.HEALTH_CHECKING)
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class ClusterStatus(str, Enum):
+    CREATING = "creating"  # nodes being brought up for the first time
+    IN_SERVICE = "in-service"  # every member node healthy
+    DEGRADED = "degraded"  # in service, but some member is not healthy (being replaced, or recovery=none)
+    FAILED = "failed"  # creation failed; nothing is running; inspect, then `cluster delete`
+    DELETING = "deleting"
+    DELETED = "deleted"
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS cluster (
+    name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, status TEXT NOT NULL, status_reason TEXT,
+    created_at REAL NOT NULL, controller_pid INTEGER, controller_started_at REAL,
+    api_host TEXT, api_port INTEGER, store_port INTEGER
+);
+CREATE TABLE IF NOT EXISTS groups (
+    name TEXT PRIMARY KEY, instance_type TEXT NOT NULL, count INTEGER NOT NULL, spares INTEGER NOT NULL,
+    on_create TEXT, next_index INTEGER NOT NULL DEFAULT 0,
+    provision_failures INTEGER NOT NULL DEFAULT 0   -- consecutive nodes that never became healthy
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY, group_name TEXT NOT NULL REFERENCES groups(name), state TEXT NOT NULL,
+    is_spare INTEGER NOT NULL, reason TEXT, health_json TEXT, report_json TEXT, directives_json TEXT,
+    last_heartbeat REAL, pid INTEGER, work_dir TEXT NOT NULL, job TEXT,
+    created_at REAL NOT NULL, state_since REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, node TEXT, job TEXT, kind TEXT NOT NULL,
+    from_state TEXT, to_state TEXT, reason TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, name TEXT, state TEXT NOT NULL, config_json TEXT, command_json TEXT,
+    nodes_requested INTEGER NOT NULL, nodes_json TEXT, auto_resume INTEGER NOT NULL DEFAULT 0,
+    max_retries INTEGER NOT NULL DEFAULT 0, attempts INTEGER NOT NULL DEFAULT 0,
+    generation INTEGER NOT NULL DEFAULT 0, reason TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS generations (
+    job TEXT NOT NULL REFERENCES jobs(id), generation INTEGER NOT NULL, nodes_json TEXT NOT NULL,
+    started_at REAL NOT NULL, ended_at REAL, end_reason TEXT, PRIMARY KEY (job, generation)
+);
+CREATE INDEX IF NOT EXISTS events_node ON events(node);
+"""
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    group: str
+    state: NodeState
+    is_spare: bool
+    reason: str | None
+    health: dict | None  # the agent's latest health report
+    report: dict | None  # the agent's latest bring-up report: phase, lifecycle result
+    directives: list  # faults waiting to be handed to the agent on its next heartbeat
+    last_heartbeat: float | None
+    pid: int | None
+    work_dir: str
+    job: str | None
+    created_at: float
+    state_since: float
+
+    @property
+    def live(self) -> bool:
+        """Counts towards its group (member or spare): not being retired."""
+        return self.state not in (S.REPLACING, S.TERMINATED)
+
+    def public(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["state"] = self.state.value
+        return d
+
+
+def _node(row: sqlite3.Row) -> Node:
+    return Node(
+        name=row["name"], group=row["group_name"], state=NodeState(row["state"]), is_spare=bool(row["is_spare"]),
+        reason=row["reason"], health=_loads(row["health_json"]), report=_loads(row["report_json"]),
+        directives=_loads(row["directives_json"]) or [], last_heartbeat=row["last_heartbeat"], pid=row["pid"],
+        work_dir=row["work_dir"], job=row["job"], created_at=row["created_at"], state_since=row["state_since"],
+    )
+
+
+def _loads(text: str | None):
+    return None if text is None else json.loads(text)
+
+
+class Store:
+    """All reads and writes of a cluster's state.db."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        """Run one statement and fetch its rows under the lock (never inside another thread's transaction)."""
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # ---- cluster and groups -------------------------------------------------------------------
+    def initialize(self, spec: ClusterSpec) -> None:
+        """Create the schema and the cluster's rows (status `creating`). Run once, at `cluster create`."""
+        now = time.time()
+        with self._lock:
+            self._db.executescript(SCHEMA)
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT INTO cluster (name, spec_json, status, status_reason, created_at) VALUES (?,?,?,?,?)",
+                (spec.name, spec.model_dump_json(), ClusterStatus.CREATING.value, "cluster create", now),
+            )
+            for g in spec.instance_groups:
+                self._db.execute(
+                    "INSERT INTO groups (name, instance_type, count, spares, on_create) VALUES (?,?,?,?,?)",
+                    (g.name, g.instance_type, g.count, g.spares, str(g.on_create) if g.on_create else None),
+                )
+            self._db.execute("COMMIT")
+        self.record_event("cluster", f"cluster {spec.name} created from spec; status creating")
+
+    def spec(self) -> ClusterSpec:
+        return ClusterSpec.model_validate_json(self.cluster()["spec_json"])
+
+    def cluster(self) -> dict:
+        return dict(self._exec("SELECT * FROM cluster")[0])
+
+    def update_cluster(self, **fields) -> None:
+        cols = ", ".join(f"{k}=?" for k in fields)
+        self._exec(f"UPDATE cluster SET {cols}", tuple(fields.values()))
+
+    def set_status(self, status: ClusterStatus, reason: str) -> None:
+        old = self.cluster()["status"]
+        if old == status.value:
+            return
+        self.update_cluster(status=status.value, status_reason=reason)
+        self.record_event("cluster", reason, from_state=old, to_state=status.value)
+
+    def groups(self) -> list[dict]:
+        return [dict(r) for r in self._exec("SELECT * FROM groups ORDER BY name")]
+
+    def update_group(self, name: str, **fields) -> None:
+        cols = ", ".join(f"{k}=?" for k in fields)
+        self._exec(f"UPDATE groups SET {cols} WHERE name=?", (*fields.values(), name))
+
+    def describe(self) -> dict:
+        """What `cluster describe` shows: status, groups with counts and spares, controller, store."""
+        c, spec = self.cluster(), self.spec()
+        nodes = self.nodes(include_terminated=False)
+        groups = []
+        for g in self.groups():
+            mine = [n for n in nodes if n.group == g["name"]]
+            members = [n for n in mine if not n.is_spare and n.live]
+            spares = [n for n in mine if n.is_spare and n.live]
+            groups.append({
+                "name": g["name"], "instance_type": g["instance_type"], "count": g["count"], "spares": g["spares"],
+                "on_create": g["on_create"], "members_healthy": sum(n.state == S.HEALTHY for n in members),
+                "members": len(members), "spares_ready": sum(n.state == S.HEALTHY for n in spares),
+                "spares_total": len(spares), "provision_failures": g["provision_failures"],
+            })
+        host = c["api_host"]
+        return {
+            "name": c["name"], "status": c["status"], "status_reason": c["status_reason"], "backend": spec.backend,
+            "node_recovery": spec.node_recovery, "created_at": c["created_at"], "groups": groups,
+            "controller": {"pid": c["controller_pid"], "started_at": c["controller_started_at"],
+                           "api": f"http://{host}:{c['api_port']}" if c["api_port"] else None},
+            "store": {"addr": f"{host}:{c['store_port']}" if c["store_port"] else None},
+            "health": spec.health.model_dump(),
+        }
+
+    # ---- nodes --------------------------------------------------------------------------------
+    def add_node(self, group: str, *, is_spare: bool, work_root: Path, reason: str) -> Node:
+        """A new node in state provisioning, named `<group>-<n>` (names are never reused)."""
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            (index,) = self._db.execute("SELECT next_index FROM groups WHERE name=?", (group,)).fetchone()
+            name = f"{group}-{index}"
+            self._db.execute("UPDATE groups SET next_index=? WHERE name=?", (index + 1, group))
+            self._db.execute(
+                "INSERT INTO nodes (name, group_name, state, is_spare, reason, work_dir, created_at, state_since)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                (name, group, S.PROVISIONING.value, int(is_spare), reason, str(work_root / name), now, now),
+            )
+            self._insert_event(now, "transition", reason, node=name, to_state=S.PROVISIONING.value)
+            self._db.execute("COMMIT")
+        return self.node(name)
+
+    def node(self, name: str) -> Node | None:
+        rows = self._exec("SELECT * FROM nodes WHERE name=?", (name,))
+        return _node(rows[0]) if rows else None
+
+    def nodes(self, *, include_terminated: bool = True) -> list[Node]:
+        rows = self._exec("SELECT * FROM nodes ORDER BY created_at, name")
+        found = [_node(r) for r in rows]
+        return found if include_terminated else [n for n in found if n.state != S.TERMINATED]
+
+    def update_node(self, name: str, **fields) -> None:
+        """Record observations (heartbeat time, pid, health) — never the state; see `transition`."""
+        assert "state" not in fields, "use transition() to change a node's state"
+        encoded = {
+            (k + "_json" if k in ("health", "report", "directives") else k): (
+                json.dumps(v) if k in ("health", "report", "directives") and v is not None else v
+            )
+            for k, v in fields.items()
+        }
+        cols = ", ".join(f"{k}=?" for k in encoded)
+        self._exec(f"UPDATE nodes SET {cols} WHERE name=?", (*encoded.values(), name))
+
+    def add_directive(self, name: str, directive: str) -> None:
+        """Queue something for the node's agent (handed over with the next heartbeat reply)."""
+        with self._lock:
+            node = self.node(name)
+            self.update_node(name, directives=[*node.directives, directive])
+
+    def take_directives(self, name: str) -> list:
+        with self._lock:
+            node = self.node(name)
+            if node.directives:
+                self.update_node(name, directives=[])
+            return node.directives
+
+    def transition(self, name: str, to: NodeState, reason: str, **fields) -> Node:
+        """Move a node to `to`, recording an event with `reason`. Refuses moves the state machine forbids."""
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT state FROM nodes WHERE name=?", (name,)).fetchone()
+                if row is None:
+                    raise KeyError(f"no node named {name!r}")
+                frm = NodeState(row["state"])
+                if to not in ALLOWED[frm]:
+                    raise IllegalTransition(f"node {name}: {frm.value} → {to.value} is not a legal transition")
+                extra = "".join(f", {k}=?" for k in fields)
+                self._db.execute(
+                    f"UPDATE nodes SET state=?, reason=?, state_since=?{extra} WHERE name=?",
+                    (to.value, reason, now, *fields.values(), name),
+                )
+                self._insert_event(now, "transition", reason, node=name, from_state=frm.value, to_state=to.value)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return self.node(name)
+
+    # ---- events -------------------------------------------------------------------------------
+    def _insert_event(self, now: float, kind: str, reason: str, *, node=None, job=None, from_state=None,
+                      to_state=None) -> None:
+        self._db.execute(
+            "INSERT INTO events (time, node, job, kind, from_state, to_state, reason) VALUES (?,?,?,?,?,?,?)",
+            (now, node, job, kind, from_state, to_state, reason),
+        )
+
+    def record_event(self, kind: str, reason: str, *, node: str | None = None, job: str | None = None,
+                     from_state: str | None = None, to_state: str | None = None) -> None:
+        with self._lock:
+            self._insert_event(time.time(), kind, reason, node=node, job=job, from_state=from_state,
+                               to_state=to_state)
+
+    def events(self, *, since_id: int = 0, node: str | None = None, limit: int | None = None) -> list[dict]:
+        sql, args = "SELECT * FROM events WHERE id > ?", [since_id]
+        if node:
+            sql += " AND node = ?"
+            args.append(node)
+        sql += " ORDER BY id"
+        rows = [dict(r) for r in self._exec(sql, tuple(args))]
+        return rows[-limit:] if limit else rows
+
+
+def open_existing(path: Path) -> Store:
+    """Open a cluster's state.db that must already exist (never creates an empty one by accident)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no cluster state at {path}")
+    return Store(path)

@@ -1,0 +1,395 @@
+"""The control plane with real processes: a controller daemon, node agents, SQLite on disk, real sockets.
+
+Every test gets its own PHALANX_HOME under tmp_path; its finalizer deletes every cluster there and then
+proves (and enforces) that no process of the test is left behind — even when the test failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from phalanx.cli import app
+from phalanx.control import seam
+from phalanx.control.backend import AGENT_MODULE, process_group_members, process_running, processes_mentioning
+from phalanx.control.cluster import (ClusterClient, CreateFailed, controller_pid, create_cluster, delete_cluster,
+                                     start_controller)
+from phalanx.control.health import GpuMonitor, report
+from phalanx.control.paths import ClusterPaths, list_clusters
+from phalanx.control.spec import SpecError, load_spec
+from phalanx.control.store import IllegalTransition, NodeState, Store
+
+runner = CliRunner()
+
+
+# ---- fixtures and helpers ------------------------------------------------------------------------------
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private PHALANX_HOME. Teardown: delete every cluster, then fail if anything had to be killed."""
+    root = tmp_path / "home"
+    monkeypatch.setenv("PHALANX_HOME", str(root))
+    yield root
+    groups: set[int] = set()
+    tracebacks = []
+    for name in list_clusters():
+        paths = ClusterPaths.for_name(name)
+        store = Store(paths.db)
+        groups.update(n.pid for n in store.nodes() if n.pid)
+        store.close()
+        for log in [paths.controller_log, *paths.root.glob("nodes/*/agent.log")]:
+            if "Traceback" in log.read_text():
+                tracebacks.append(f"{log}:\n{log.read_text()[-3000:]}")
+    errors = []
+    for name in list_clusters():
+        try:
+            delete_cluster(name, timeout_s=15)
+        except Exception as err:  # keep cleaning up; reported below
+            errors.append(f"delete {name}: {err!r}")
+    leftovers = set(processes_mentioning(str(root)))
+    for pgid in groups:
+        leftovers.update(process_group_members(pgid))
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not errors, errors
+    assert not tracebacks, "\n".join(tracebacks)  # a reconciler/agent error must not pass silently
+    assert not leftovers, f"processes left behind after cluster delete: {leftovers}"
+
+
+def write_spec(dir: Path, *, name="c1", count=2, spares=1, script: str | None = "echo configured $PHALANX_NODE_NAME",
+               **top) -> Path:
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares}
+    if script is not None:
+        (dir / "on_create.sh").write_text("#!/bin/sh\n" + script + "\n")
+        group["on_create"] = "on_create.sh"
+    tree = {"name": name, "backend": "local", "instance_groups": [group], **top}
+    path = dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def nodes_by_name(client: ClusterClient) -> dict[str, dict]:
+    return {n["name"]: n for n in client.nodes()}
+
+
+def live(nodes: dict[str, dict]) -> dict[str, dict]:
+    return {k: n for k, n in nodes.items() if n["state"] not in ("terminated", "replacing")}
+
+
+def agent_alive(node: dict) -> bool:
+    return process_running(node["pid"], AGENT_MODULE)
+
+
+def http(method: str, url: str, token: str | None = None) -> int:
+    req = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
+                                 headers={"Content-Type": "application/json"})
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+# ---- spec validation: one clear error each, nothing started ---------------------------------------------
+def test_malformed_spec_is_one_clear_error(tmp_path, home):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: c1\ninstance_groups: [\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+    path = write_spec(tmp_path, count=0, bogus=1)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert "instance_groups.0.count" in str(err.value) and "bogus" in str(err.value)
+    assert not home.exists(), "nothing may be created"
+
+
+def test_unknown_instance_type_lists_the_valid_ones(tmp_path):
+    path = write_spec(tmp_path)
+    path.write_text(path.read_text().replace("local.cpu-1", "local.cpu-3"))
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    msg = str(err.value)
+    assert "instance_groups.0.instance_type" in msg and "'local.cpu-3'" in msg
+    assert all(t in msg for t in ("local.cpu-1", "local.cpu-2", "local.cpu-4", "gpu.1", "gpu.8"))
+
+
+def test_missing_lifecycle_script_names_the_path(tmp_path):
+    path = write_spec(tmp_path)
+    (tmp_path / "on_create.sh").unlink()
+    with pytest.raises(SpecError, match=f"lifecycle script {tmp_path / 'on_create.sh'} does not exist"):
+        load_spec(path)
+
+
+def test_heartbeat_timeout_must_cover_two_intervals(tmp_path):
+    path = write_spec(tmp_path, health={"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 1.5})
+    with pytest.raises(SpecError, match="heartbeat_timeout_s=1.5 must be at least twice"):
+        load_spec(path)
+
+
+def test_slurm_backend_is_refused_at_create_and_starts_nothing(tmp_path, home):
+    path = write_spec(tmp_path, backend="slurm")
+    assert load_spec(path).backend == "slurm"  # the schema knows it ...
+    code = runner.invoke(app, ["cluster", "create", "-f", str(path)])
+    assert code.exit_code == 2 and "not yet implemented" in code.output  # ... create refuses it
+    assert not ClusterPaths.for_name("c1").root.exists()
+
+
+@pytest.mark.slow
+def test_api_port_in_use_is_one_clear_error_and_leaves_nothing(tmp_path, home):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["cluster", "create", "-f", str(write_spec(tmp_path, api={"port": port}))])
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in flat and "nothing was started" in flat
+    assert list_clusters() == [] and processes_mentioning(str(home)) == []
+
+
+# ---- units: state machine, seam, health ----------------------------------------------------------------
+def test_store_refuses_illegal_transitions_and_records_every_move(tmp_path):
+    spec = load_spec(write_spec(tmp_path, script=None))
+    store = Store(tmp_path / "state.db")
+    store.initialize(spec)
+    node = store.add_node("workers", is_spare=False, work_root=tmp_path / "nodes", reason="test")
+    assert node.name == "workers-0" and node.state == NodeState.PROVISIONING
+    with pytest.raises(IllegalTransition, match="provisioning → healthy"):
+        store.transition(node.name, NodeState.HEALTHY, "skipping steps")
+    for state in ("configuring", "health-checking", "healthy", "faulty", "replacing", "terminated"):
+        store.transition(node.name, NodeState(state), f"to {state}")
+    moves = [(e["from_state"], e["to_state"], e["reason"]) for e in store.events(node=node.name)]
+    assert moves[0] == (None, "provisioning", "test") and moves[-1] == ("replacing", "terminated", "to terminated")
+    assert len(moves) == 7
+    assert store.add_node("workers", is_spare=True, work_root=tmp_path, reason="x").name == "workers-1"
+    store.close()
+
+
+def test_seam_names_and_keys():
+    p = seam.WorkerPlacement("job7", 3, rank=5, world_size=8, local_rank=1, local_world_size=2, master_addr="h",
+                             master_port=29500, store_addr="h:1234", checkpoint_dir="/ck", cluster_token="t")
+    env = seam.worker_env(p, base={"PATH": "/bin"})
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1"
+    assert env["PHALANX_GENERATION"] == "3" and env["PHALANX_STORE_ADDR"] == "h:1234" and env["PATH"] == "/bin"
+    assert seam.progress_key("job7", 3, 5) == "job7/gen3/progress/5"
+    assert seam.progress_key("job7", 3, 5).startswith(seam.generation_prefix("job7", 3) + "/")
+    assert seam.parse_store_addr("h:1234") == ("h", 1234)
+
+
+def test_gpu_check_skips_cpu_types_and_fails_gpu_types_without_nvml():
+    cpu = GpuMonitor(0, "local.cpu-1").check()
+    assert [c.status for c in cpu] == ["skipped"] and "expects no GPUs" in cpu[0].detail
+    gpu = GpuMonitor(8, "gpu.8")
+    if gpu._nvml is None:  # this machine: no NVML
+        (check,) = gpu.check()
+        assert check.status == "fail" and "expects 8 GPUs" in check.detail and not report([check])["ok"]
+
+
+# ---- end to end: real controller, real agents ----------------------------------------------------------
+@pytest.mark.slow
+def test_create_lists_healthy_nodes_and_refuses_unauthenticated_requests(tmp_path, home):
+    spec = write_spec(tmp_path)
+    result = runner.invoke(app, ["cluster", "create", "-f", str(spec)])
+    assert result.exit_code == 0, result.output
+    assert "in-service" in result.output
+    listed = runner.invoke(app, ["cluster", "list-nodes", "--json"])
+    nodes = json.loads(listed.output)
+    assert [(n["name"], n["state"], n["is_spare"]) for n in nodes] == [
+        ("workers-0", "healthy", False), ("workers-1", "healthy", False), ("workers-2", "healthy", True)]
+    assert all(n["health"]["ok"] and agent_alive(n) for n in nodes)
+    lifecycle_log = Path(nodes[0]["work_dir"]) / "lifecycle.log"
+    assert lifecycle_log.read_text().strip() == "configured workers-0"
+
+    paths = ClusterPaths.for_name("c1")
+    assert stat.S_IMODE(paths.token.stat().st_mode) == 0o600
+    client = ClusterClient("c1")
+    base, token = client.url(), paths.read_token()
+    assert http("GET", f"{base}/v1/cluster") == 401
+    assert http("GET", f"{base}/v1/cluster", token="wrong") == 401
+    assert http("POST", f"{base}/v1/nodes/workers-0/heartbeat") == 401
+    assert http("POST", f"{base}/v1/nodes/workers-0/faults", token="wrong") == 401
+    assert http("GET", f"{base}/metrics") == 401
+    assert http("GET", f"{base}/no/such/route") == 401  # checked before routing: nothing is revealed
+    assert http("GET", f"{base}/metrics", token=token) == 200
+    assert http("GET", f"{base}/v1/cluster", token=token) == 200
+
+    info = client.describe()
+    assert info["status"] == "in-service" and info["groups"][0]["spares_ready"] == 1
+    import torch.distributed as dist  # the rendezvous store the controller owns is a real TCPStore
+
+    host, port = seam.parse_store_addr(info["store"]["addr"])
+    store = dist.TCPStore(host, port, is_master=False)
+    store.set("probe", "1")
+    assert store.get("probe") == b"1"
+
+
+def _check_replacement(client: ClusterClient, victim: str, spare: str, injected_at: float, within: tuple):
+    def replaced():
+        nodes = nodes_by_name(client)
+        fresh = [n for n in live(nodes).values() if n["is_spare"] and n["state"] == "healthy"]
+        return nodes if nodes[victim]["state"] == "terminated" and fresh else None
+
+    nodes = wait_for(replaced, 20, f"{victim} to be replaced and the spare pool refilled")
+    events = client.events(node=victim)
+    faulty = next(e for e in events if e["to_state"] == "faulty")
+    lo, hi = within
+    assert lo <= faulty["time"] - injected_at <= hi, (faulty, injected_at)
+    assert [e["to_state"] for e in events if e["time"] >= faulty["time"]] == ["faulty", "replacing", "terminated"]
+    replacing = next(e for e in events if e["to_state"] == "replacing")
+    assert f"replaced by spare {spare}" in replacing["reason"]
+    promoted = [e for e in client.events(node=spare) if e["kind"] == "promoted"]
+    assert len(promoted) == 1 and victim in promoted[0]["reason"]
+    members = {k for k, n in live(nodes).items() if not n["is_spare"] and n["state"] == "healthy"}
+    (new_spare,) = [k for k, n in live(nodes).items() if n["is_spare"]]
+    assert members == {"workers-0", "workers-1", spare} - {victim}
+    assert new_spare == "workers-3" and "refilling spare pool" in client.events(node=new_spare)[0]["reason"]
+    assert not agent_alive(nodes[victim])
+    wait_for(lambda: client.describe()["status"] == "in-service", 10, "the cluster to be back in service")
+    return faulty
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, reason, within", [
+    ("kill-node", "killed by SIGKILL", (0.0, 3.0)),           # within the heartbeat timeout (3 s)
+    ("fail-health", "health check failed: injected", (0.0, 3.0)),
+    # alive but silent: the heartbeat timeout (3 s), counted from the last heartbeat (≤ 0.5 s before the freeze)
+    ("freeze-node", "no heartbeat for", (2.5, 4.5)),
+])
+def test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled(tmp_path, home, kind, reason, within):
+    create_cluster(write_spec(tmp_path), timeout_s=60)
+    client = ClusterClient("c1")
+    injected_at = time.time()
+    result = runner.invoke(app, ["fault", "inject", "--node", "workers-0", "--kind", kind])
+    assert result.exit_code == 0, result.output
+    faulty = _check_replacement(client, "workers-0", "workers-2", injected_at, within)
+    assert reason in faulty["reason"]
+    if kind == "freeze-node":
+        silent = float(faulty["reason"].split("no heartbeat for ")[1].split()[0])
+        assert 3.0 < silent < 4.0, faulty["reason"]
+    injected = [e for e in client.events(node="workers-0") if e["kind"] == "fault-injected"]
+    assert len(injected) == 1 and kind in injected[0]["reason"]
+
+
+@pytest.mark.slow
+def test_failed_lifecycle_script_is_reported_with_its_output_and_nothing_runs(tmp_path, home):
+    script = ('echo "mounting /fsx on $PHALANX_NODE_NAME"\n'
+              'if [ "$PHALANX_NODE_NAME" = workers-1 ]; then echo "fatal: /fsx unreachable" >&2; exit 3; fi')
+    path = write_spec(tmp_path, spares=0, script=script)
+    result = runner.invoke(app, ["cluster", "create", "-f", str(path)])
+    assert result.exit_code == 1
+    with pytest.raises(CreateFailed) as err:  # the Python API says the same, with the node
+        create_cluster(load_spec(path).model_copy(update={"name": "c2"}), timeout_s=60)
+    for msg in (result.output, str(err.value)):
+        flat = " ".join(msg.split())
+        assert "workers-1" in flat and "exited with code 3" in flat
+        assert "mounting /fsx on workers-1" in flat and "fatal: /fsx unreachable" in flat
+    assert err.value.node == "workers-1"
+    for name in ("c1", "c2"):
+        paths = ClusterPaths.for_name(name)
+        assert controller_pid(paths) is None
+        store = Store(paths.db)
+        assert store.cluster()["status"] == "failed"
+        assert all(n.state == NodeState.TERMINATED and not process_running(n.pid, AGENT_MODULE)
+                   for n in store.nodes())
+        store.close()
+    assert processes_mentioning(str(home)) == []
+
+
+@pytest.mark.slow
+def test_controller_sigkill_and_restart_leave_agents_untouched(tmp_path, home):
+    create_cluster(write_spec(tmp_path), timeout_s=60)
+    client = ClusterClient("c1")
+    before = nodes_by_name(client)
+    store_addr = client.describe()["store"]["addr"]
+    pid = controller_pid(client.paths)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: controller_pid(client.paths) is None, 5, "the controller to die")
+    time.sleep(3.5)  # longer than the heartbeat timeout: agents keep retrying, nobody marks anything
+    assert all(agent_alive(n) for n in before.values())
+    assert client.describe()["controller"]["running"] is False
+
+    restarted_at = time.time()
+    start_controller("c1")
+    assert controller_pid(client.paths) not in (None, pid)
+
+    def fresh_heartbeats():
+        nodes = nodes_by_name(client)
+        return nodes if all((n["last_heartbeat"] or 0) > restarted_at for n in nodes.values()) else None
+
+    after = wait_for(fresh_heartbeats, 10, "every agent's heartbeat to reach the restarted controller")
+    time.sleep(1.0)
+    after = nodes_by_name(client)
+    same = {k: (n["pid"], "healthy") for k, n in before.items()}
+    assert {k: (n["pid"], n["state"]) for k, n in after.items()} == same
+    events = client.events()
+    assert not [e for e in events if e["to_state"] == "faulty"]
+    assert any(e["kind"] == "controller" and "restarted" in e["reason"] for e in events)
+    assert client.describe()["store"]["addr"] == store_addr  # the rendezvous store came back on its port
+
+    # delete with the controller down stops the nodes directly; nothing is left for the fallback kill
+    os.kill(controller_pid(client.paths), signal.SIGKILL)
+    wait_for(lambda: controller_pid(client.paths) is None, 5, "the controller to die")
+    result = runner.invoke(app, ["cluster", "delete", "c1"])
+    assert result.exit_code == 0 and "is not running: stopped 3 nodes directly" in result.output, result.output
+    assert "still running" not in result.output
+    assert not any(agent_alive(n) for n in after.values())
+
+
+@pytest.mark.slow
+def test_delete_leaves_no_process_behind(tmp_path, home):
+    # a lifecycle script that leaves a daemon running, as real ones do: it must die with its node
+    script = 'sleep 300 &\necho $! > daemon.pid'
+    create_cluster(write_spec(tmp_path, count=1, spares=1, script=script), timeout_s=60)
+    client = ClusterClient("c1")
+    nodes = client.nodes()
+    daemons = [int((Path(n["work_dir"]) / "daemon.pid").read_text()) for n in nodes]
+    assert all(process_running(p, "sleep") for p in daemons)
+    ctl = controller_pid(client.paths)
+    result = runner.invoke(app, ["cluster", "delete", "c1"])
+    assert result.exit_code == 0, result.output
+    assert "still running" not in result.output  # nothing needed the fallback kill
+    assert not ClusterPaths.for_name("c1").root.exists()
+    assert not process_running(ctl, "phalanx")
+    assert not any(process_running(n["pid"], AGENT_MODULE) for n in nodes)
+    assert not any(process_running(p, "sleep") for p in daemons)
+    assert processes_mentioning(str(home)) == []
+
+
+@pytest.mark.slow
+def test_recovery_none_leaves_the_faulty_node_and_no_spares_means_a_fresh_node(tmp_path, home):
+    create_cluster(write_spec(tmp_path, name="keep", count=1, spares=0, node_recovery="none"), timeout_s=60)
+    create_cluster(write_spec(tmp_path, name="heal", count=1, spares=0), timeout_s=60)
+    keep, heal = ClusterClient("keep"), ClusterClient("heal")
+    keep.inject_fault("workers-0", "kill-node")
+    heal.inject_fault("workers-0", "kill-node")
+    wait_for(lambda: heal.nodes()[-1]["name"] == "workers-1" and heal.nodes()[-1]["state"] == "healthy", 20,
+             "a freshly provisioned replacement")
+    assert heal.nodes()[0]["state"] == "terminated" and not heal.nodes()[-1]["is_spare"]
+    assert [n["state"] for n in keep.nodes()] == ["faulty"]
+    assert keep.describe()["status"] == "degraded"
+    assert any("node_recovery=none" in e["reason"] for e in keep.events())
