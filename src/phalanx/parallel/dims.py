@@ -68,7 +68,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """A 2-D ("dp_replicate", "dp_shard") mesh; the data-parallel rank is its flattened coordinate."""
+    """One replica: a 1-D ("dp_shard",) mesh over the default process group (plain FSDP).
+    Several: a 2-D ("dp_replicate", "dp_shard") mesh (HSDP)."""
+    if dims.dp_replicate == 1:
+        return init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(
         device_type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
     )
@@ -76,4 +79,6 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
 
 def dp_rank(mesh: DeviceMesh) -> int:
     """This process's data-parallel rank: replica index × dp_shard + shard index."""
+    if mesh.ndim == 1:
+        return mesh.get_local_rank()
     return mesh.get_local_rank("dp_replicate") * mesh.size(1) + mesh.get_local_rank("dp_shard")

@@ -58,8 +58,8 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard each block, then the root (embeddings, final norm, lm_head).
 
-    `mesh`: the 2-D ("dp_replicate", "dp_shard") mesh; with one replica it is reduced to the 1-D shard mesh
-    (plain FSDP), otherwise FSDP2 runs HSDP (replicate across dim 0, shard within dim 1).
+    `mesh`: from `build_mesh`: 1-D (plain FSDP) or 2-D ("dp_replicate", "dp_shard"), on which FSDP2 runs
+    HSDP (replicate across dim 0, shard within dim 1).
     """
     if mesh.ndim == 2 and mesh.size(0) == 1:
         mesh = mesh["dp_shard"]
