@@ -93,6 +93,7 @@ class GlobalBatchSampler:
         self.seed = int(seed)
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
+        self._permutation: tuple[int, IndexPermutation] | None = None
 
     @property
     def local_batch_size(self) -> int:
@@ -103,7 +104,12 @@ class GlobalBatchSampler:
         return samples_consumed // self.num_samples
 
     def epoch_permutation(self, epoch: int) -> IndexPermutation:
-        return IndexPermutation(self.num_samples, key=f"phalanx-sampler:{self.seed}:{epoch}")
+        """The permutation of `epoch` (the last one built is kept: every step of an epoch reuses it)."""
+        cached = self._permutation
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, IndexPermutation(self.num_samples, key=f"phalanx-sampler:{self.seed}:{epoch}"))
+            self._permutation = cached
+        return cached[1]
 
     def global_batch(self, samples_consumed: int) -> np.ndarray:
         """The `global_batch_size` dataset indices at positions ``samples_consumed, ...`` (int64)."""

@@ -170,9 +170,10 @@ class Transformer(nn.Module):
         logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
         if labels is None:
             return logits
-        loss = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="mean"
-        )
+        # Predict token t+1 at position t; the last position has no target (ignored). Shifting the
+        # targets rather than slicing the logits avoids copying the [B, T, vocab] logits.
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
         if aux_loss is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss
