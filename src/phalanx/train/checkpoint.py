@@ -144,9 +144,9 @@ class CheckpointManager:
     def _prune(self) -> None:
         for old in committed_steps(self.root)[self.keep :]:
             shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+        # Called between saves (never while one is in flight): any .tmp left is from a crashed save.
         for stale in self.root.glob("step-*.tmp"):
-            if self._pending is None:
-                shutil.rmtree(stale, ignore_errors=True)
+            shutil.rmtree(stale, ignore_errors=True)
 
     # ---- load -----------------------------------------------------------------------------------
     def latest_valid_step(self) -> tuple[int | None, list[tuple[int, str]]]:
