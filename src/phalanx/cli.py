@@ -9,12 +9,14 @@ import typer
 from rich.console import Console
 
 from phalanx.control.cli import cluster_app, fault_app
+from phalanx.control.job_cli import job_app
 from phalanx.data.cli import data_app
 
 app = typer.Typer(help="Phalanx: self-healing foundation-model training on PyTorch.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(fault_app, name="fault")
+app.add_typer(job_app, name="job")
 err_console = Console(stderr=True, highlight=False)
 
 

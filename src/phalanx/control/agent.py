@@ -7,14 +7,18 @@ It brings its node up and keeps reporting on it:
      goes into the report and the controller marks the node faulty);
   3. runs the health checks (`phalanx.control.health`) now and then every `check_interval_s`.
 
-The controller answers each heartbeat with what it wants: keep running, or terminate; and hands over
-injected faults (`fail-health` makes the next check report a failure, the same path a real failure takes).
-When the controller is unreachable the agent keeps its node as it is and retries, re-reading the
-controller's endpoint file (a restarted controller may listen elsewhere). It exits when told to, when its
-node is unknown to the controller (deleted), or when its work dir disappears.
+The controller answers each heartbeat with what it wants: keep running, or terminate; the workers this
+node must run (job assignments, with each rank's relayed progress); and injected faults (`fail-health`
+makes the next check report a failure, the same path a real failure takes). `WorkerSupervisor`
+(`workers.py`) starts and stops the workers, kills hung ones, and every heartbeat reports each worker's
+state and exit code; a worker's exit wakes the heartbeat loop, so it reaches the controller at once.
 
-Must not know: the reconciler's policy, SQLite, torch. Workers (next milestone) are started with the env
-from `phalanx.control.seam`.
+When the controller is unreachable the agent keeps its node — and its workers — as they are and retries,
+re-reading the controller's endpoint file (a restarted controller may listen elsewhere). It exits when
+told to, when its node is unknown to the controller (deleted), or when its work dir disappears; its workers
+are stopped first.
+
+Must not know: the reconciler's policy, SQLite, torch. Workers get the env from `phalanx.control.seam`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 
 from phalanx.control import health
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
+from phalanx.control.workers import WorkerSupervisor
 
 log = logging.getLogger("phalanx.agent")
 TAIL_LINES = 20
@@ -63,6 +68,11 @@ class Agent:
         self.exit_reason = ""
         self._lifecycle_proc: subprocess.Popen | None = None
         self._gpus = health.GpuMonitor(int(cfg["gpus"]), cfg["instance_type"])
+        self.wake = threading.Event()  # heartbeat now (a worker exited, or the agent is stopping)
+        self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set)
+        self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)
+        self.controller_id: float | None = None  # start time of the controller that sent it
+        self.relay_gap = True  # progress relay may have missed something: restart the hang clocks
 
     # ---- bring-up and health (a thread, so heartbeats never wait on a slow script) -------------------
     def bring_up(self) -> None:
@@ -133,7 +143,7 @@ class Agent:
         checks = [
             health.check_disk(self.work_dir, int(self.cfg["min_free_disk_mb"])),
             health.check_memory(int(self.cfg["min_free_memory_mb"])),
-            health.check_workers({}),
+            health.check_workers(self.workers.exit_codes()),
             *self._gpus.check(),
         ]
         if first and self.cfg.get("deep_health_check"):
@@ -157,9 +167,15 @@ class Agent:
     def heartbeat_body(self) -> dict:
         with self.lock:
             return {"pid": os.getpid(), "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
-                    "sent_at": time.time()}
+                    "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at}
 
-    def handle_reply(self, reply: dict) -> None:
+    def handle_reply(self, reply: dict, body: dict) -> None:
+        gap = self.relay_gap or reply.get("controller") != self.controller_id
+        self.relay_gap, self.controller_id = False, reply.get("controller")
+        if reply.get("action") != "terminate":
+            self.workers.apply(reply.get("workers", []), relay_gap=gap)
+        self.workers.acknowledged(body["workers"])
+        self.reply_sent_at = reply.get("sent_at")
         for fault in reply.get("faults", []):
             log.warning("fault injected by operator: %s; the next health check reports it", fault)
             with self.lock:
@@ -168,41 +184,58 @@ class Agent:
         if reply.get("action") == "terminate":
             self.exit_reason = f"controller asked this node to terminate: {reply.get('reason', '')}"
             self.stop.set()
+            self.wake.set()
+
+    def watch_workers(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.workers.poll()
+            except Exception:  # a bug here must not silently end exit and hang detection
+                log.exception("watching workers failed; next: retrying in 0.1 s")
+            self.stop.wait(0.1)
 
     def run(self) -> int:
         threading.Thread(target=self.bring_up, name="bring-up", daemon=True).start()
+        threading.Thread(target=self.watch_workers, name="workers", daemon=True).start()
         url, down_since = self.endpoint_url(), None
         while not self.stop.is_set():
             if not self.work_dir.is_dir():
                 self.exit_reason = f"work dir {self.work_dir} is gone (cluster deleted)"
                 break
+            self.wake.clear()
             try:
                 if url is None:
                     raise ControllerUnreachable(f"no endpoint file at {self.endpoint_file}")
-                reply = request_json("POST", f"{url}/v1/nodes/{self.name}/heartbeat", self.token,
-                                     self.heartbeat_body(), timeout=max(2.0, 4 * self.interval))
+                body = self.heartbeat_body()
+                reply = request_json("POST", f"{url}/v1/nodes/{self.name}/heartbeat", self.token, body,
+                                     timeout=max(2.0, 4 * self.interval))
                 if down_since is not None:
                     log.info("controller reachable again at %s after %.1f s", url, time.monotonic() - down_since)
                     down_since = None
-                self.handle_reply(reply)
+                self.handle_reply(reply, body)
             except ControllerUnreachable as err:
+                self.relay_gap = True
+                self.workers.relay_down()
                 if down_since is None:
                     down_since = time.monotonic()
-                    log.warning("controller unreachable (%s); node keeps running, retrying every %g s", err,
-                                self.interval)
+                    log.warning("controller unreachable (%s); node and workers keep running, retrying every %g s",
+                                err, self.interval)
                 url = self.endpoint_url()
             except ApiError as err:
+                self.relay_gap = True
+                self.workers.relay_down()
                 if err.status in (404, 410):
                     self.exit_reason = f"controller does not know node {self.name} ({err.detail})"
                     break
                 log.error("heartbeat refused (%s); retrying in %g s", err, self.interval)
-            self.stop.wait(self.interval)
+            self.wake.wait(self.interval)
         self.shutdown()
         return 0
 
     def shutdown(self) -> None:
         self.stop.set()
         self.wake_checks.set()
+        self.workers.stop_all()
         proc = self._lifecycle_proc
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -221,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_term(signum, _frame):
         agent.exit_reason = f"received signal {signal.Signals(signum).name}"
         agent.stop.set()
+        agent.wake.set()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)

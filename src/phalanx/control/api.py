@@ -5,20 +5,27 @@ anything else gets 401.
     GET    /v1/nodes                    every node (terminated ones too): state, health, heartbeat, pid, ...
     GET    /v1/nodes/{name}             one node
     GET    /v1/events?since_id=&node=&limit=
-    POST   /v1/nodes/{name}/heartbeat   agent → controller: phase, lifecycle result, health; the reply says
-                                        run or terminate, and hands over injected faults
-    POST   /v1/nodes/{name}/faults      {"kind": "kill-node" | "fail-health" | "freeze-node"}
+    POST   /v1/nodes/{name}/heartbeat   agent → controller: phase, lifecycle result, health, its workers
+                                        (state, exit code, hang); the reply says run or terminate, lists the
+                                        workers to run (with relayed progress), hands over injected faults
+    POST   /v1/nodes/{name}/faults      {"kind": "kill-node" | "fail-health" | "freeze-node" | "kill-worker"
+                                        | "hang-worker", "rank": R (optional, worker faults)}
+    POST   /v1/jobs                     submit (kind train: resolved config; kind command: argv) → 201
+    GET    /v1/jobs                     every job (like squeue)
+    GET    /v1/jobs/{id}                describe: state, reason, generations, workers, events
+    POST   /v1/jobs/{id}/cancel         cancel: its workers are stopped
     POST   /v1/controller/stop          stop the controller only (nodes keep running)
     DELETE /v1/cluster                  stop every node, then the controller
     GET    /metrics                     Prometheus text format
 
-Routes only record observations and requests; the reconciler decides. Knows nothing about processes
-beyond the backend's fault methods.
+Routes only record observations and requests; the reconciler and the job scheduler decide. Knows nothing
+about processes beyond the backend's fault methods.
 """
 
 from __future__ import annotations
 
 import hmac
+import signal
 import time
 from typing import Literal
 
@@ -26,13 +33,31 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from phalanx.control.jobstate import JobState
+from phalanx.control.scheduler import JobRequestError
 from phalanx.control.store import ClusterStatus, NodeState, Store
 
 S = NodeState
-FAULT_KINDS = ("kill-node", "fail-health", "freeze-node")
-LATER_FAULT_KINDS = ("kill-worker", "hang-worker")
+FAULT_KINDS = ("kill-node", "fail-health", "freeze-node", "kill-worker", "hang-worker")
+
+
+class WorkerReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job: str
+    generation: int
+    rank: int
+    local_rank: int
+    pid: int | None
+    state: Literal["running", "stopping", "exited"]
+    exit_code: int | None
+    detail: str | None
+    hang: str | None
+    frozen: bool = False
+    stopped: bool
+    started_at: float
+    ended_at: float | None
 
 
 class Heartbeat(BaseModel):
@@ -42,11 +67,29 @@ class Heartbeat(BaseModel):
     lifecycle: dict | None = None
     health: dict | None = None
     sent_at: float
+    workers: list[WorkerReport] = []
+    reply_sent_at: float | None = None  # the last reply the agent acted on
 
 
 class FaultRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: Literal["kill-node", "fail-health", "freeze-node", "kill-worker", "hang-worker"]
+    rank: int | None = None  # worker faults: which rank on the node (default: its lowest running rank)
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["train", "command"]
+    nodes: int = Field(..., ge=1)
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    group: str | None = None
+    argv: list[str] | None = None
+    config: dict | None = None
+    checkpoint_dir: str | None = None
+    cwd: str
+    env: dict[str, str] = {}
+    auto_resume: bool = False
+    max_retries: int = Field(0, ge=0)
 
 
 class _StoreCollector:
@@ -80,6 +123,18 @@ class _StoreCollector:
         promoted = CounterMetricFamily("phalanx_spares_promoted", "Spares promoted to replace a faulty member")
         promoted.add_metric([], sum(e["kind"] == "promoted" for e in events))
         yield promoted
+        jobs = GaugeMetricFamily("phalanx_jobs", "Jobs by state", labels=["state"])
+        rows = self.store.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+        found = {r["state"]: r["n"] for r in rows}
+        for state in JobState:
+            jobs.add_metric([state.value], found.get(state.value, 0))
+        yield jobs
+        gens = CounterMetricFamily("phalanx_job_restarts", "Job generations ended by a fault, by outcome",
+                                   labels=["outcome"])
+        for outcome in ("node-fault", "app-error"):
+            (row,) = self.store.execute("SELECT COUNT(*) AS n FROM generations WHERE outcome=?", (outcome,))
+            gens.add_metric([outcome], row["n"])
+        yield gens
 
 
 def build_app(ctl) -> FastAPI:
@@ -131,21 +186,25 @@ def build_app(ctl) -> FastAPI:
             raise HTTPException(410, f"node {name} is run by agent pid {node.pid}, not {hb.pid}")
         store.update_node(name, last_heartbeat=time.time(), pid=hb.pid, health=hb.health,
                           report={"phase": hb.phase, "lifecycle": hb.lifecycle})
+        ctl.jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)
         status = store.cluster()["status"]
+        sent_at, workers = ctl.jobs.assignments(store.node(name))
+        reply = {"sent_at": sent_at, "controller": ctl.started_at, "workers": [], "faults": []}
         if node.state == S.REPLACING:
-            return {"action": "terminate", "reason": node.reason, "faults": []}
+            return {**reply, "action": "terminate", "reason": node.reason}
         if status in (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
-            return {"action": "terminate", "reason": f"cluster is {status}", "faults": []}
-        return {"action": "run", "state": node.state.value, "faults": store.take_directives(name)}
+            return {**reply, "action": "terminate", "reason": f"cluster is {status}"}
+        return {**reply, "action": "run", "state": node.state.value, "faults": store.take_directives(name),
+                "workers": workers}
 
     @app.post("/v1/nodes/{name}/faults", status_code=202)
     def inject_fault(name: str, req: FaultRequest) -> dict:
         node = node_or_404(name)
-        if req.kind in LATER_FAULT_KINDS:
-            raise HTTPException(422, f"fault {req.kind!r} needs a running job; it arrives with jobs (next milestone)")
         if not node.live:
             raise HTTPException(409, f"node {name} is {node.state.value}; faults go to live nodes only")
-        if req.kind == "fail-health":
+        if req.kind in ("kill-worker", "hang-worker"):
+            what = _signal_worker(node, req)
+        elif req.kind == "fail-health":
             store.add_directive(name, "fail-health")
             what = "the agent reports a failing health check after its next heartbeat"
         elif req.kind == "kill-node":
@@ -158,6 +217,49 @@ def build_app(ctl) -> FastAPI:
         store.record_event("fault-injected", reason, node=name)
         ctl.log.warning("node %s: %s", name, reason)
         return {"node": name, "kind": req.kind, "detail": what}
+
+    def _signal_worker(node, req: FaultRequest) -> str:
+        running = [w for w in ctl.jobs.records.workers(node=node.name) if w.state == "running" and w.pid]
+        if req.rank is not None:
+            running = [w for w in running if w.rank == req.rank]
+        if not running:
+            which = f" of rank {req.rank}" if req.rank is not None else ""
+            raise HTTPException(409, f"node {node.name} runs no job worker{which}; {req.kind} needs a running job")
+        w = running[0]
+        sig = signal.SIGKILL if req.kind == "kill-worker" else signal.SIGSTOP
+        try:
+            ctl.backend.signal_worker(node, w.pid, sig)
+        except ProcessLookupError as err:
+            raise HTTPException(409, str(err)) from None
+        if req.kind == "kill-worker":
+            return f"SIGKILL sent to worker rank {w.rank} of job {w.job} (pid {w.pid}): its agent reports the exit"
+        return (f"SIGSTOP sent to worker rank {w.rank} of job {w.job} (pid {w.pid}): it makes no more progress; "
+                f"the agent's hang detector (hang_timeout_s={ctl.spec.health.hang_timeout_s:g}) takes it from there")
+
+    @app.post("/v1/jobs", status_code=201)
+    def submit_job(req: JobRequest) -> dict:
+        try:
+            return ctl.jobs.submit(**req.model_dump()).public()
+        except JobRequestError as err:
+            raise HTTPException(err.status, str(err)) from None
+
+    @app.get("/v1/jobs")
+    def list_jobs() -> list[dict]:
+        return [j.public() for j in ctl.jobs.records.jobs()]
+
+    @app.get("/v1/jobs/{key}")
+    def describe_job(key: str) -> dict:
+        try:
+            return ctl.jobs.describe(key)
+        except JobRequestError as err:
+            raise HTTPException(err.status, str(err)) from None
+
+    @app.post("/v1/jobs/{key}/cancel", status_code=202)
+    def cancel_job(key: str) -> dict:
+        try:
+            return ctl.jobs.cancel(key).public()
+        except JobRequestError as err:
+            raise HTTPException(err.status, str(err)) from None
 
     @app.post("/v1/controller/stop", status_code=202)
     def stop_controller() -> dict:

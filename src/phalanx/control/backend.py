@@ -1,11 +1,15 @@
 """Where nodes come from. The `local` backend: a node is an agent process on this machine, in its own
-session (so its process group is the node: the agent plus everything it starts), with its own work dir.
+session (so the session is the node: the agent, its lifecycle script, and its workers, each worker in a
+process group of its own inside that session), with its own work dir.
 
     launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent` → pid
     gone(node)        None while the node's agent runs, else why it is gone (exit code / signal)
-    terminate(node)   SIGTERM the agent (it stops its children and exits); SIGCONT in case it is frozen
-    kill(node)        SIGKILL the whole node (its process group) — what a power loss does
+    terminate(node)   SIGTERM the agent (it stops its workers and exits); SIGCONT in case it is frozen
+    kill(node)        SIGKILL the whole node (its session) — what a power loss does
     freeze(node)      SIGSTOP the agent: alive but silent, like a hung host or a partitioned network
+    signal_worker(node, pid, sig)   a signal to one worker of the node (fault injection)
+    node_host(node)   the address other nodes reach it at (MASTER_ADDR when it hosts rank 0)
+    free_port(node)   a port free on that host now (a generation's MASTER_PORT)
 
 Processes are always identified by pid *and* command line (a pid alone may have been reused).
 Knows nothing about the reconciler's policy, HTTP or SQLite. A Slurm backend will offer the same methods.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,18 +28,19 @@ from pathlib import Path
 from phalanx.control.paths import ClusterPaths
 from phalanx.control.spec import ClusterSpec
 from phalanx.control.store import Node
+from phalanx.control.workers import describe_exit
 
 AGENT_MODULE = "phalanx.control.agent"
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, process group) of a live process, None if there is none."""
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, process group, session) of a live process, None if there is none."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return fields[0], int(fields[2])
+    return fields[0], int(fields[2]), int(fields[3])
 
 
 def cmdline(pid: int) -> str:
@@ -74,8 +80,21 @@ def process_group_members(pgid: int) -> list[int]:
     return found
 
 
-def describe_exit(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+def session_members(sid: int) -> list[int]:
+    """Live processes of session `sid` (a local node: its agent is the session leader)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _proc_stat(int(entry))
+            if stat is not None and stat[0] != "Z" and stat[2] == sid:
+                found.append(int(entry))
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class LocalBackend:
@@ -140,11 +159,23 @@ class LocalBackend:
         if not self._signal_agent(node, signal.SIGSTOP):
             raise ProcessLookupError(f"node {node.name}: agent process {node.pid} is not running")
 
+    def signal_worker(self, node: Node, pid: int, sig: signal.Signals) -> None:
+        """Send `sig` to one worker process of `node` (refused for a pid outside the node or its agent)."""
+        if not node.pid or pid == node.pid or pid not in session_members(node.pid):
+            raise ProcessLookupError(f"process {pid} is not a running worker of node {node.name}")
+        os.kill(pid, sig)
+
+    def node_host(self, node: Node) -> str:
+        return "127.0.0.1"  # every local node is this machine
+
+    def free_port(self, node: Node) -> int:
+        return free_port(self.node_host(node))
+
     def kill(self, node: Node) -> list[int]:
-        """SIGKILL every process of the node (the agent's process group). Returns the pids signalled."""
+        """SIGKILL every process of the node (the agent's session). Returns the pids signalled."""
         if not node.pid:
             return []
-        members = process_group_members(node.pid)  # the agent, its lifecycle script, its workers
+        members = session_members(node.pid)  # the agent, its lifecycle script, its workers
         for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -66,8 +66,8 @@ def create(
     info = _guard(lambda: create_cluster(file, timeout_s=timeout, on_status=show))
     _print_describe(info)
     if info["health"]["deep_health_check"]:
-        err.print("note: deep_health_check is set but the deep check is NOT run yet (it arrives with jobs); "
-                  "nodes report it as skipped")
+        err.print("note: deep_health_check is set but the deep check is NOT implemented yet; nodes report it "
+                  "as skipped")
 
 
 @cluster_app.command("describe")
@@ -186,7 +186,7 @@ class FaultKind(str, Enum):
     kill_node = "kill-node"
     fail_health = "fail-health"
     freeze_node = "freeze-node"
-    kill_worker = "kill-worker"  # refused until jobs exist (next milestone)
+    kill_worker = "kill-worker"
     hang_worker = "hang-worker"
 
 
@@ -194,10 +194,13 @@ class FaultKind(str, Enum):
 def inject(node: str = typer.Option(..., "--node", help="node name (see `cluster list-nodes`)"),
            kind: FaultKind = typer.Option(..., "--kind", help="kill-node: SIGKILL the node's processes; "
                                           "fail-health: the agent reports a failing check; freeze-node: SIGSTOP "
-                                          "the agent (heartbeats stop). kill-worker/hang-worker come with jobs."),
+                                          "the agent (heartbeats stop); kill-worker: SIGKILL one job worker; "
+                                          "hang-worker: SIGSTOP one job worker (its progress stops)"),
+           rank: Optional[int] = typer.Option(None, "--rank", help="worker faults: the rank (default: the "
+                                              "node's lowest running rank)"),
            cluster: Optional[str] = typer.Option(None, help="cluster name (optional when only one exists)")) -> None:
     """Inject a fault into a node; the controller detects and handles it like a real one."""
     from phalanx.control.cluster import ClusterClient
 
-    reply = _guard(lambda: ClusterClient(cluster).inject_fault(node, kind.value))
+    reply = _guard(lambda: ClusterClient(cluster).inject_fault(node, kind.value, rank=rank))
     out.print(f"{node}: {reply['kind']} — {reply['detail']}")

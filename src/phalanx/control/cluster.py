@@ -7,6 +7,7 @@
     stop_controller(name)          stop only the controller
     delete_cluster(name)           stop every node and the controller, prove nothing is left, remove the dir
     ClusterClient(name)            describe / nodes / events / inject_fault over the HTTP API
+                                   (jobs: `phalanx.control.jobs.JobClient`)
 
 Talks to a running controller only over HTTP (with the token); reads SQLite directly only to describe a
 cluster whose controller is not running and to find what to stop when the controller is gone.
@@ -22,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx.control.backend import (AGENT_MODULE, cmdline, process_group_members, process_running,
-                                     processes_mentioning)
+from phalanx.control.backend import AGENT_MODULE, cmdline, process_running, processes_mentioning, session_members
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.paths import ClusterPaths, list_clusters, phalanx_home
 from phalanx.control.spec import ClusterSpec, SpecError, check_backend_supported, load_spec
@@ -115,8 +115,10 @@ class ClusterClient:
         except ControllerUnreachable:
             return self._read_store(lambda s: s.events(since_id=since_id, node=node, limit=limit))
 
-    def inject_fault(self, node: str, kind: str) -> dict:
-        return self.call("POST", f"/v1/nodes/{node}/faults", {"kind": kind})
+    def inject_fault(self, node: str, kind: str, *, rank: int | None = None) -> dict:
+        """kill-node | fail-health | freeze-node | kill-worker | hang-worker (`rank`: which worker)."""
+        body = {"kind": kind} if rank is None else {"kind": kind, "rank": rank}
+        return self.call("POST", f"/v1/nodes/{node}/faults", body)
 
 
 # ---- lifecycle of the controller and the cluster ------------------------------------------------------
@@ -316,7 +318,7 @@ def _kill_leftovers(paths: ClusterPaths) -> list[int]:
         try:
             for n in store.nodes():
                 if n.pid and process_running(n.pid, str(Path(n.work_dir) / "agent.json")):
-                    victims.update(process_group_members(n.pid))
+                    victims.update(session_members(n.pid))
         finally:
             store.close()
     victims.update(p for p in processes_mentioning(str(paths.root))

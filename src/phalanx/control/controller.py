@@ -3,15 +3,19 @@
 `phalanx cluster create` / `cluster start` start it detached (its own session; output in
 DIR/controller.log; pid in DIR/controller.pid). It owns:
   - the truth, in DIR/state.db (`Store`);
-  - the reconciler thread (`Reconciler.tick` every TICK_S);
+  - the reconciler thread (`Reconciler.tick` every TICK_S), with the job scheduler (`scheduler.py`);
   - the HTTP API (FastAPI on uvicorn, loopback by default, cluster token required);
   - the rendezvous store, a `torch.distributed.TCPStore(is_master=True)`: it lives here, not in rank 0,
-    so it outlives any worker (jobs use it from the next milestone).
+    so it outlives any worker. Workers publish their progress there (`seam.progress_key`); the scheduler
+    reads it and relays it to the agents' hang detectors.
 
 A restart rebuilds everything from SQLite: the same API and store ports are reused when free (agents
-re-read DIR/endpoint.json anyway), heartbeat timeouts count from the restart, and running agents are not
-touched. Exits: SIGTERM or POST /v1/controller/stop stop the controller only; DELETE /v1/cluster and a
-failed creation stop every node first.
+re-read DIR/endpoint.json anyway), heartbeat timeouts count from when the API serves again (the reconciler
+waits for it), and running agents and their
+workers are not touched. The store comes back empty: workers re-publish their progress at their next step
+(their process groups never depended on it: each generation rendezvouses on its own MASTER_PORT).
+Exits: SIGTERM or POST /v1/controller/stop stop the controller only; DELETE /v1/cluster and a failed
+creation stop every node first (cancelling their jobs).
 
 Must not know: models, training, anything a worker does beyond the seam.
 """
@@ -30,10 +34,12 @@ from pathlib import Path
 
 import uvicorn
 
+from phalanx.control import seam
 from phalanx.control.api import build_app
 from phalanx.control.backend import LocalBackend, process_running
 from phalanx.control.paths import ClusterPaths
 from phalanx.control.reconciler import TERMINATE_GRACE_S, Reconciler
+from phalanx.control.scheduler import JobScheduler
 from phalanx.control.store import ClusterStatus, NodeState, open_existing
 
 TICK_S = 0.2
@@ -85,6 +91,9 @@ class Controller:
         self.log = log
         self.backend = LocalBackend(paths, self.spec)
         self.server: uvicorn.Server | None = None
+        self.rendezvous = None  # the TCPStore, once started
+        self.jobs: JobScheduler | None = None
+        self.started_at: float | None = None
         self._exit = threading.Event()
         self._stop_nodes_reason: str | None = None
 
@@ -111,11 +120,11 @@ class Controller:
         if cluster["status"] in (ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
             raise SystemExit(f"cluster {cluster['name']} is {cluster['status']}; delete it and create it again")
         restart = cluster["controller_started_at"] is not None
-        started_at = time.time()
+        self.started_at = started_at = time.time()
         host = self.spec.api.host
         sock = bind_api_socket(host, cluster["api_port"] if restart else self.spec.api.port, fallback_to_any=restart)
         api_port = sock.getsockname()[1]
-        rendezvous = start_rendezvous_store(connect_host(host), cluster["store_port"])
+        self.rendezvous = rendezvous = start_rendezvous_store(connect_host(host), cluster["store_port"])
         self.store.update_cluster(controller_pid=os.getpid(), controller_started_at=started_at,
                                   api_host=connect_host(host), api_port=api_port, store_port=rendezvous.port)
         self.paths.write_endpoint({"pid": os.getpid(), "api_host": host, "connect_host": connect_host(host),
@@ -132,7 +141,14 @@ class Controller:
         self.store.record_event("controller", what)
         log.info(what)
 
-        reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit)
+        store_addr = f"{connect_host(host)}:{rendezvous.port}"
+        self.jobs = JobScheduler(
+            self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
+            read_progress=lambda job, gen, ranks: seam.read_progress(rendezvous, job, gen, ranks),
+            controller_id=started_at,
+        )
+        reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit,
+                                jobs=self.jobs)
         self.server = uvicorn.Server(uvicorn.Config(build_app(self), log_level="warning", access_log=False,
                                                     lifespan="off"))
         loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)
@@ -157,6 +173,11 @@ class Controller:
         return 0
 
     def _reconcile_loop(self, reconciler: Reconciler) -> None:
+        # Agents can only reach us once the API serves; until then their silence is ours (a slow start under
+        # load: the torch import alone can take seconds), so heartbeat timeouts count from that moment.
+        while not self._exit.is_set() and not (self.server is not None and self.server.started):
+            self._exit.wait(0.05)
+        reconciler.started_at = time.time()
         while not self._exit.is_set():
             try:
                 reconciler.tick()
@@ -165,6 +186,8 @@ class Controller:
             self._exit.wait(TICK_S)
 
     def stop_all_nodes(self, reason: str) -> None:
+        if self.jobs is not None:
+            self.jobs.cancel_all(reason.splitlines()[0])
         nodes = [n for n in self.store.nodes() if n.state != NodeState.TERMINATED]
         log.info("stopping %d nodes (%s)", len(nodes), reason.splitlines()[0])
         for n in nodes:

@@ -1,12 +1,13 @@
 """Node health checks, run by the agent on a schedule. Each returns pass / fail / skipped with a detail.
 
 - host:     free disk in the node's work dir, available memory
-- workers:  the worker processes the agent runs are alive (no workers before jobs exist: pass)
+- workers:  the job workers the agent runs now are alive or exited 0 (a failure only restarts the job:
+            the scheduler already sees each exit through the heartbeat)
 - gpu:      via NVML when `pynvml` is importable: device count vs the instance type, uncorrected ECC
             errors, and XID events, mapped to an action the way HyperPod maps them (replace the node, or
             only restart the job). Skipped with a reason when the instance type expects no GPUs.
-- deep:     reported as *not run* (status "skipped"): the timed all_reduce across nodes needs the job
-            machinery of the next milestone.
+- deep:     reported as *not run* (status "skipped"): the timed all_reduce across a new node and healthy
+            peers is not implemented yet.
 
 A failed check carries an `action`: "replace-node" (the node goes faulty) or "restart-job" (the node
 stays; its job restarts). Imports nothing heavy: agents must start in a fraction of a second. Knows
@@ -161,7 +162,7 @@ class GpuMonitor:
 
 def deep_check_not_run() -> Check:
     return Check("deep", "skipped", "deep health check requested but NOT run: the timed cross-node all_reduce "
-                                    "arrives with jobs (next milestone)")
+                                    "is not implemented yet")
 
 
 def injected_failure(kind: str) -> Check:

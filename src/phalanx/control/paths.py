@@ -6,7 +6,9 @@
     endpoint.json    where the running controller listens (API and rendezvous store); agents re-read it
     controller.pid   the controller daemon's pid
     controller.log   the controller's log
-    nodes/<node>/    one work dir per node: agent.log, lifecycle.log, and (next milestone) worker output
+    nodes/<node>/    one work dir per node: agent.json, agent.log, lifecycle.log
+    jobs/<id>/       one dir per job: config.json (training jobs), logs/rank<R>.log (every generation's
+                     output of that rank, appended), checkpoints/ (command jobs' PHALANX_CHECKPOINT_DIR)
 
 Knows only file names: nothing about what runs or what the files mean.
 """
@@ -63,6 +65,13 @@ class ClusterPaths:
     @property
     def controller_log(self) -> Path:
         return self.root / "controller.log"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.root / "jobs"
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.jobs_dir / job_id
 
     def node_dir(self, node: str) -> Path:
         return self.root / "nodes" / node

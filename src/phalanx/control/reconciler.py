@@ -9,14 +9,16 @@ Each tick:
             health check failed, never registered within provision_timeout_s
   creation  while the cluster is `creating`: any faulty node fails the creation (everything is stopped);
             all nodes healthy → `in-service`
+  jobs      `JobScheduler.observe`: finish, stop or classify job generations (a hang marks its node faulty)
   recover   node_recovery=automatic: a faulty member is replaced by a healthy spare of its group (the spare
             becomes a member), or, in a group without spares, by a freshly provisioned node; a faulty spare
             is retired. node_recovery=none: faulty nodes stay for the operator
+  jobs      `JobScheduler.advance`: start the next generation of pending/recovering jobs on healthy nodes
   retire    replacing nodes: SIGTERM, SIGKILL after a grace period, then terminated
   refill    provision nodes until every group has `count` members and `spares` spares
 
 One log line per fault says what happened and what happens next. Knows nothing about HTTP; reaches
-processes only through the backend. Jobs (next milestone) hook in after `recover`.
+processes only through the backend.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ MAX_PROVISION_FAILURES = 3
 
 
 class Reconciler:
-    def __init__(self, store: Store, backend, *, started_at: float, request_exit: Callable[[str], None]):
+    def __init__(self, store: Store, backend, *, started_at: float, request_exit: Callable[[str], None],
+                 jobs=None):
         self.store = store
         self.backend = backend
+        self.jobs = jobs  # the JobScheduler, or None (no jobs)
         self.spec = store.spec()
         self.started_at = started_at
         self.request_exit = request_exit  # stop every node and exit the controller, with a reason
@@ -55,7 +59,11 @@ class Reconciler:
             if not self.check_creation():
                 return
         else:
+            if self.jobs is not None:
+                self.jobs.observe(now, self.fault)
             self.recover()
+            if self.jobs is not None:
+                self.jobs.advance(now)
             self.update_status()
         self.retire(now)
         self.refill(creating=status == ClusterStatus.CREATING)

@@ -3,27 +3,46 @@
 An agent starts each worker with the usual torch variables plus Phalanx's own:
 
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   this worker's place in the job
-    MASTER_ADDR, MASTER_PORT                         torch's default rendezvous (for programs that use it)
+    MASTER_ADDR, MASTER_PORT                         torch's env:// rendezvous, fresh for every generation
+                                                     (rank 0 hosts it; the controller picked a free port)
     PHALANX_JOB_ID                                   the job this worker belongs to
     PHALANX_GENERATION                               bumped on every (re)start of the job
     PHALANX_STORE_ADDR                               host:port of the controller's TCPStore
     PHALANX_CHECKPOINT_DIR                           where the job saves and resumes checkpoints
     PHALANX_CLUSTER_TOKEN                            the cluster token (to talk to the controller)
+    PHALANX_CONFIG                                   training jobs: the resolved config (JSON) that
+                                                     `python -m phalanx.train.worker` runs
 
 Workers talk back only through keys in the controller's TCPStore, all under the generation's prefix
-`{job}/gen{g}/` — the same prefix a worker passes to `PrefixStore` for its process groups, so a new
-generation never sees an old one's keys:
+`{job}/gen{g}/` (the prefix a worker would pass to `PrefixStore`), so a new generation never sees an old
+one's keys:
 
-    {job}/gen{g}/progress/{rank}   the last training step rank `rank` finished (the agent's hang detector
-                                   and the controller's progress view read it)
+    {job}/gen{g}/progress/{rank}   the last training step rank `rank` finished (before its first step: the
+                                   step it starts from, i.e. the resumed one)
+    {job}/gen{g}/alive/{rank}      a counter the worker bumps every BEAT_S from a background thread: it
+                                   keeps going while the main thread waits in a collective (those release
+                                   the GIL) and stops when the process is frozen (SIGSTOP, a stalled host)
 
-Imports nothing from torch or the rest of Phalanx: both sides import this module.
+The controller reads both and relays them to the agents' hang detectors, which tell a frozen worker (no
+progress, no beat: the culprit) from one waiting on it (no progress, beat going); `job describe` shows the
+step.
+
+Worker side: `progress_reporter()` returns a `ProgressReporter` when the worker runs under an agent. It
+publishes from a background thread (a training step never waits on the store) and outlives a store outage
+— a controller restart recreates the store empty on the same port — by reconnecting and re-publishing.
+
+Imports nothing from torch at module level (agents import this module and must start fast); the reporter
+and `read_progress` import torch.distributed when used.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Mapping
 
 RANK = "RANK"
@@ -37,6 +56,10 @@ GENERATION = "PHALANX_GENERATION"
 STORE_ADDR = "PHALANX_STORE_ADDR"
 CHECKPOINT_DIR = "PHALANX_CHECKPOINT_DIR"
 CLUSTER_TOKEN = "PHALANX_CLUSTER_TOKEN"
+CONFIG = "PHALANX_CONFIG"
+TRAIN_WORKER_MODULE = "phalanx.train.worker"  # what a training job's agents run (`python -m`)
+BEAT_S = 0.5  # how often a worker's reporter bumps its liveness counter
+log = logging.getLogger("phalanx.seam")
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,7 @@ class WorkerPlacement:
     store_addr: str  # "host:port"
     checkpoint_dir: str
     cluster_token: str
+    config_path: str | None = None  # training jobs only
 
 
 def worker_env(p: WorkerPlacement, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -65,6 +89,8 @@ def worker_env(p: WorkerPlacement, base: Mapping[str, str] | None = None) -> dic
         JOB_ID: p.job_id, GENERATION: str(p.generation), STORE_ADDR: p.store_addr,
         CHECKPOINT_DIR: p.checkpoint_dir, CLUSTER_TOKEN: p.cluster_token,
     })
+    if p.config_path is not None:
+        env[CONFIG] = p.config_path
     return env
 
 
@@ -78,8 +104,103 @@ def progress_key(job_id: str, generation: int, rank: int) -> str:
     return f"{generation_prefix(job_id, generation)}/progress/{rank}"
 
 
+def alive_key(job_id: str, generation: int, rank: int) -> str:
+    """Store key of the liveness counter rank `rank` bumps every BEAT_S (an ASCII integer)."""
+    return f"{generation_prefix(job_id, generation)}/alive/{rank}"
+
+
 def parse_store_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{STORE_ADDR}={addr!r} is not host:port")
     return host, int(port)
+
+
+def read_progress(store, job_id: str, generation: int, ranks: list[int]) -> dict[int, dict]:
+    """Controller side: rank → {"step": last reported step, "beat": liveness counter} (None before the first
+    report). `store`: a TCPStore."""
+    out: dict[int, dict] = {}
+    for rank in ranks:
+        keys = {"step": progress_key(job_id, generation, rank), "beat": alive_key(job_id, generation, rank)}
+        # get() would block on a missing key: check first
+        out[rank] = {name: int(store.get(key)) if store.check([key]) else None for name, key in keys.items()}
+    return out
+
+
+class ProgressReporter:
+    """Worker side: publishes the last finished step, and a liveness beat every `beat_s`.
+
+    `report(step)` only records the number and wakes a daemon thread, which does the store I/O. A failed
+    write (the store went away: the controller is restarting) is logged once; the thread reconnects every
+    `retry_s` and re-publishes the latest step, while training goes on.
+    """
+
+    def __init__(self, store_addr: str, job_id: str, generation: int, rank: int, *, beat_s: float = BEAT_S,
+                 retry_s: float = 1.0, timeout_s: float = 2.0):
+        self.host, self.port = parse_store_addr(store_addr)
+        self.step_key = progress_key(job_id, generation, rank)
+        self.beat_key = alive_key(job_id, generation, rank)
+        self.beat_s = beat_s
+        self.retry_s = retry_s
+        self.timeout = timedelta(seconds=timeout_s)
+        self._step: int | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._publish_loop, name="phalanx-progress", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop publishing (a worker process simply exits; this is for long-lived callers and tests)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def report(self, step: int) -> None:
+        with self._cond:
+            if step != self._step:
+                self._step = step
+                self._cond.notify()
+
+    def _connect(self):
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=self.timeout)
+
+    def _publish_loop(self) -> None:
+        store, published, failing, beat, next_beat = None, None, False, 0, 0.0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._step != published or self._closed,
+                                    timeout=max(0.0, next_beat - time.monotonic()))
+                if self._closed:
+                    return
+                step = self._step
+            try:
+                if store is None:
+                    store = self._connect()
+                if time.monotonic() >= next_beat:
+                    beat += 1
+                    store.set(self.beat_key, str(beat))
+                    next_beat = time.monotonic() + self.beat_s
+                if step != published:
+                    store.set(self.step_key, str(step))
+                store.check([self.beat_key])  # a set() into a dead connection may not fail; this round trip does
+            except (RuntimeError, OSError) as err:  # torch's DistStoreError/DistNetworkError are RuntimeErrors
+                if not failing:
+                    log.warning("progress store %s:%d unreachable (%s); training continues, next: reconnecting "
+                                "every %g s and re-publishing step %s", self.host, self.port,
+                                str(err).splitlines()[0], self.retry_s, step)
+                failing, store, next_beat = True, None, 0.0
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed, timeout=self.retry_s)
+                continue
+            if failing:
+                log.info("progress store %s:%d reachable again; published step %s", self.host, self.port, step)
+            failing, published = False, step
+
+
+def progress_reporter(env: Mapping[str, str] | None = None) -> ProgressReporter | None:
+    """The reporter for a worker an agent started (None otherwise: plain `phalanx train`, torchrun)."""
+    env = os.environ if env is None else env
+    if not env.get(STORE_ADDR) or not env.get(JOB_ID):
+        return None
+    return ProgressReporter(env[STORE_ADDR], env[JOB_ID], int(env[GENERATION]), int(env[RANK]))

@@ -8,8 +8,8 @@
                               replacing ──► terminated      (any state ──► terminated on delete)
 
 Every transition goes through `transition()`, which refuses illegal moves and writes an event with a
-reason, so the events table is a complete history. Tables for jobs and generations exist now and are
-filled by the job scheduler (next milestone).
+reason, so the events table is a complete history. The job tables (`jobs`, `generations`, `workers`) are
+read and written through `phalanx.control.jobstate`, on this connection.
 
 One connection shared by the controller's threads behind a lock (a few writes per heartbeat interval;
 SQLite serialises writers anyway). Knows nothing about processes, HTTP or the reconciler's policy.
@@ -21,6 +21,7 @@ import json
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -80,23 +81,49 @@ CREATE TABLE IF NOT EXISTS nodes (
     name TEXT PRIMARY KEY, group_name TEXT NOT NULL REFERENCES groups(name), state TEXT NOT NULL,
     is_spare INTEGER NOT NULL, reason TEXT, health_json TEXT, report_json TEXT, directives_json TEXT,
     last_heartbeat REAL, pid INTEGER, work_dir TEXT NOT NULL, job TEXT,
-    created_at REAL NOT NULL, state_since REAL NOT NULL
+    created_at REAL NOT NULL, state_since REAL NOT NULL,
+    acked_at REAL       -- `sent_at` of the last heartbeat reply the agent says it acted on
 );
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, node TEXT, job TEXT, kind TEXT NOT NULL,
     from_state TEXT, to_state TEXT, reason TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY, name TEXT, state TEXT NOT NULL, config_json TEXT, command_json TEXT,
-    nodes_requested INTEGER NOT NULL, nodes_json TEXT, auto_resume INTEGER NOT NULL DEFAULT 0,
-    max_retries INTEGER NOT NULL DEFAULT 0, attempts INTEGER NOT NULL DEFAULT 0,
-    generation INTEGER NOT NULL DEFAULT 0, reason TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL
+    id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, name TEXT NOT NULL, state TEXT NOT NULL,
+    kind TEXT NOT NULL,                       -- train (phalanx.train.worker + config) | command (any argv)
+    group_name TEXT NOT NULL, nodes_requested INTEGER NOT NULL, workers_per_node INTEGER NOT NULL,
+    argv_json TEXT NOT NULL, cwd TEXT NOT NULL, env_json TEXT NOT NULL, config_json TEXT,
+    job_dir TEXT NOT NULL, checkpoint_dir TEXT NOT NULL,
+    nodes_json TEXT NOT NULL DEFAULT '[]',    -- nodes of the current generation, in rank order
+    auto_resume INTEGER NOT NULL, max_retries INTEGER NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,      -- generations started
+    retries INTEGER NOT NULL DEFAULT 0,       -- restarts after application errors
+    node_faults INTEGER NOT NULL DEFAULT 0,   -- generations ended by a node fault
+    generation INTEGER NOT NULL DEFAULT 0, last_step INTEGER, reason TEXT,
+    created_at REAL NOT NULL, updated_at REAL NOT NULL, ended_at REAL
 );
 CREATE TABLE IF NOT EXISTS generations (
     job TEXT NOT NULL REFERENCES jobs(id), generation INTEGER NOT NULL, nodes_json TEXT NOT NULL,
-    started_at REAL NOT NULL, ended_at REAL, end_reason TEXT, PRIMARY KEY (job, generation)
+    master_addr TEXT NOT NULL, master_port INTEGER NOT NULL, store_addr TEXT,
+    started_at REAL NOT NULL,
+    stop_at REAL,          -- workers told to stop (a fault, a cancel); NULL while the generation runs
+    ended_at REAL,         -- every worker confirmed gone (or all exited 0)
+    outcome TEXT,          -- succeeded | node-fault | app-error | cancelled
+    end_reason TEXT, faults_json TEXT NOT NULL DEFAULT '[]',
+    start_step INTEGER,    -- first progress reported (the resumed step)
+    last_step INTEGER, first_step_at REAL,  -- first step finished after start_step
+    PRIMARY KEY (job, generation)
+);
+CREATE TABLE IF NOT EXISTS workers (
+    job TEXT NOT NULL, generation INTEGER NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL,
+    local_rank INTEGER NOT NULL, pid INTEGER,
+    state TEXT NOT NULL,   -- running | stopping | exited | lost (its node died with it)
+    exit_code INTEGER, detail TEXT, hang TEXT, frozen INTEGER NOT NULL DEFAULT 0,  -- hung with its beat stopped
+    stopped INTEGER NOT NULL DEFAULT 0, step INTEGER,
+    started_at REAL, ended_at REAL, PRIMARY KEY (job, generation, rank)
 );
 CREATE INDEX IF NOT EXISTS events_node ON events(node);
+CREATE INDEX IF NOT EXISTS events_job ON events(job);
 """
 
 
@@ -116,6 +143,7 @@ class Node:
     job: str | None
     created_at: float
     state_since: float
+    acked_at: float | None = None  # sent_at of the last heartbeat reply the agent acted on
 
     @property
     def live(self) -> bool:
@@ -134,6 +162,7 @@ def _node(row: sqlite3.Row) -> Node:
         reason=row["reason"], health=_loads(row["health_json"]), report=_loads(row["report_json"]),
         directives=_loads(row["directives_json"]) or [], last_heartbeat=row["last_heartbeat"], pid=row["pid"],
         work_dir=row["work_dir"], job=row["job"], created_at=row["created_at"], state_since=row["state_since"],
+        acked_at=row["acked_at"],
     )
 
 
@@ -161,6 +190,22 @@ class Store:
         """Run one statement and fetch its rows under the lock (never inside another thread's transaction)."""
         with self._lock:
             return self._db.execute(sql, args).fetchall()
+
+    def execute(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        """One statement under the store's lock (for the record modules built on this connection)."""
+        return self._exec(sql, args)
+
+    @contextmanager
+    def transaction(self):
+        """BEGIN IMMEDIATE … COMMIT under the lock; rolled back (and re-raised) on any error."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     # ---- cluster and groups -------------------------------------------------------------------
     def initialize(self, spec: ClusterSpec) -> None:
@@ -320,11 +365,15 @@ class Store:
             self._insert_event(time.time(), kind, reason, node=node, job=job, from_state=from_state,
                                to_state=to_state)
 
-    def events(self, *, since_id: int = 0, node: str | None = None, limit: int | None = None) -> list[dict]:
+    def events(self, *, since_id: int = 0, node: str | None = None, job: str | None = None,
+               limit: int | None = None) -> list[dict]:
         sql, args = "SELECT * FROM events WHERE id > ?", [since_id]
         if node:
             sql += " AND node = ?"
             args.append(node)
+        if job:
+            sql += " AND job = ?"
+            args.append(job)
         sql += " ORDER BY id"
         rows = [dict(r) for r in self._exec(sql, tuple(args))]
         return rows[-limit:] if limit else rows

@@ -41,7 +41,9 @@ def run(config_tree: dict) -> int:
     device, backend = select_device()
     dist.init_process_group(backend, timeout=timedelta(seconds=config.pg_timeout_s))
     try:
-        Trainer(config, device).fit()
+        trainer = Trainer(config, device)
+        report_progress(trainer)
+        trainer.fit()
     except (ConfigError, DataError, ParallelConfigError) as err:
         if dist.get_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -50,6 +52,25 @@ def run(config_tree: dict) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def report_progress(trainer) -> None:
+    """Under a Phalanx node agent, publish each finished step to the seam's progress key (the agent's hang
+    detector reads it); a no-op otherwise. One store write per step, done on a background thread."""
+    from phalanx.control.seam import progress_reporter
+
+    reporter = progress_reporter()
+    if reporter is None:
+        return
+    train_step = trainer.train_step
+
+    def train_step_reporting_progress() -> dict:
+        reporter.report(trainer.progress.step)  # before the first step: where this run starts (after resume)
+        record = train_step()
+        reporter.report(record["step"])
+        return record
+
+    trainer.train_step = train_step_reporting_progress
 
 
 def main() -> int:

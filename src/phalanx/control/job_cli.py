@@ -1,0 +1,170 @@
+"""`phalanx job ...` (typer + rich). Thin: parses arguments, calls `phalanx.control.jobs.JobClient`, prints.
+Exit codes: 0 ok, 1 the operation failed, 2 bad input (nothing started).
+
+    phalanx job submit CONFIG.yaml --nodes N [--auto-resume] [--max-retries K] [--name NAME] [key=value ...]
+    phalanx job submit --nodes N [options] -- CMD ARGS...      any torch.distributed program (env:// rendezvous)
+    phalanx job list | describe ID | logs ID [-f] [--rank R] | cancel ID
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from phalanx.control.cli import _ago, _fail, _guard, _when, err, out
+
+job_app = typer.Typer(help="Run training jobs (and any torch.distributed program) on a cluster, with "
+                           "auto-resume.", no_args_is_help=True)
+ClusterOpt = typer.Option(None, "--cluster", help="cluster name (optional when only one exists)")
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _client(cluster: str | None):
+    from phalanx.control.jobs import JobClient
+
+    return _guard(lambda: JobClient(cluster))
+
+
+def _job_guard(fn):
+    """`_guard` plus the job errors: a refused job or a config that fails preflight is bad input (exit 2)."""
+    from phalanx.control.jobs import JobError
+
+    try:
+        from phalanx.data import DataError
+        from phalanx.parallel import ParallelConfigError
+        from phalanx.train.config import ConfigError
+        bad_input: tuple = (JobError, ConfigError, DataError, ParallelConfigError)
+    except ImportError:  # pragma: no cover - the runtime is part of the package
+        bad_input = (JobError,)
+    try:
+        return _guard(fn)
+    except bad_input as e:
+        _fail(str(e), 2)
+    except TimeoutError as e:
+        _fail(str(e), 1)
+
+
+@job_app.command("submit")
+def submit(
+    args: Optional[list[str]] = typer.Argument(None, help="CONFIG.yaml followed by key=value overrides, or "
+                                                          "after `--` a command to run on every worker"),
+    nodes: int = typer.Option(..., "--nodes", "-N", help="nodes to run on (each runs its instance type's "
+                                                         "workers-per-node ranks)"),
+    auto_resume: bool = typer.Option(False, "--auto-resume", help="on a node fault (crash, lost heartbeat, "
+                                     "failed health check, hang) replace the node and resume from the newest "
+                                     "checkpoint"),
+    max_retries: int = typer.Option(0, "--max-retries", min=0, help="restarts after an application error "
+                                    "(non-zero exit with every node healthy)"),
+    name: Optional[str] = typer.Option(None, "--name", help="job name (default: the run dir or the command)"),
+    group: Optional[str] = typer.Option(None, "--group", help="instance group (needed with several)"),
+    cluster: Optional[str] = ClusterOpt,
+) -> None:
+    """Submit a training config (validated before anything starts) or, after `--`, any command."""
+    args = args or []
+    if not args:
+        _fail("give a training config (CONFIG.yaml [key=value ...]) or a command after `--`", 2)
+    client = _client(cluster)
+    if args[0].endswith(CONFIG_SUFFIXES):
+        config, overrides = args[0], args[1:]
+        stray = [a for a in overrides if "=" not in a]
+        if stray:
+            _fail(f"unexpected argument {stray[0]!r}: after the config only key=value overrides are allowed "
+                  f"(a command goes after `--`)", 2)
+        job = _job_guard(lambda: client.submit(config, overrides=overrides, nodes=nodes, auto_resume=auto_resume,
+                                               max_retries=max_retries, name=name, group=group))
+    else:
+        job = _job_guard(lambda: client.submit(command=args, nodes=nodes, auto_resume=auto_resume,
+                                               max_retries=max_retries, name=name, group=group))
+    for line in job.get("warnings", []):
+        err.print(f"[yellow]warning:[/] {line}")
+    out.print(f"submitted job {job['id']} ({job['name']}): {job['nodes_requested']} nodes × "
+              f"{job['workers_per_node']} workers = world size {job['world_size']}, auto-resume "
+              f"{'on' if job['auto_resume'] else 'off'}, max-retries {job['max_retries']}; state {job['state']}")
+
+
+@job_app.command("list")
+def list_jobs(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Jobs like squeue: id, name, state, nodes, generation, attempts, step, time, nodes or reason."""
+    jobs = _job_guard(lambda: _client(cluster).list())
+    if as_json:
+        out.print_json(json.dumps(jobs))
+        return
+    t = Table("JOBID", "NAME", "STATE", "NODES", "GEN", "ATTEMPTS", "STEP", "TIME", "NODELIST(REASON)")
+    for j in jobs:
+        where = ",".join(j["nodes"]) if j["state"] == "running" else f"({(j['reason'] or '').splitlines()[0][:70]})"
+        t.add_row(j["id"], j["name"], j["state"], str(j["nodes_requested"]), str(j["generation"]),
+                  str(j["attempts"]), "-" if j["last_step"] is None else str(j["last_step"]),
+                  _duration(j["created_at"], j["ended_at"]), where)
+    out.print(t)
+
+
+def _duration(start: float, end: float | None) -> str:
+    s = int((end or time.time()) - start)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+@job_app.command("describe")
+def describe(job: str = typer.Argument(..., help="job id or name"), cluster: Optional[str] = ClusterOpt,
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """State and why, attempts, retries, generations (nodes, rendezvous, outcome), workers, events."""
+    info = _job_guard(lambda: _client(cluster).describe(job))
+    if as_json:
+        out.print_json(json.dumps(info))
+        return
+    out.print(f"[bold]job {info['id']}[/] ({info['name']}, {info['kind']})  state [bold]{info['state']}[/]  "
+              f"last step {info['last_step'] if info['last_step'] is not None else '-'}")
+    out.print(f"reason: {info['reason']}")
+    out.print(f"{info['nodes_requested']} nodes × {info['workers_per_node']} workers (group {info['group_name']}); "
+              f"auto-resume {'on' if info['auto_resume'] else 'off'}; attempts {info['attempts']}; retries "
+              f"{info['retries']}/{info['max_retries']}; node faults {info['node_faults']}; submitted "
+              f"{_ago(info['created_at'])}")
+    out.print(f"command: {' '.join(info['argv'])}  (cwd {info['cwd']})")
+    out.print(f"checkpoints: {info['checkpoint_dir']}  logs: {info['log_dir']}")
+    t = Table("gen", "nodes", "rendezvous", "started", "steps", "outcome", "why it ended", title="generations")
+    for g in info["generations"]:
+        steps = f"{g['start_step']}→{g['last_step']}" if g["start_step"] is not None else "-"
+        t.add_row(str(g["generation"]), ",".join(g["nodes"]), f"{g['master_addr']}:{g['master_port']}",
+                  _when(g["started_at"]), steps, g["outcome"] or ("stopping" if g["stop_at"] else "running"),
+                  (g["end_reason"] or "").splitlines()[0][:80])
+    out.print(t)
+    w = Table("gen", "rank", "node", "pid", "state", "exit", "step", title="workers")
+    for r in info["workers"]:
+        exit_ = r["detail"] or "-"
+        if r["hang"]:
+            exit_ += f" (hung: {r['hang']})"
+        elif r["stopped"]:
+            exit_ += " (stopped)"
+        w.add_row(str(r["generation"]), str(r["rank"]), r["node"], str(r["pid"] or "-"), r["state"], exit_,
+                  "-" if r["step"] is None else str(r["step"]))
+    out.print(w)
+    e = Table("time", "kind", "transition", "reason", title="events")
+    for ev in info["events"][-25:]:
+        move = f"{ev['from_state'] or '∅'} → {ev['to_state']}" if ev["to_state"] else ""
+        e.add_row(_when(ev["time"]), ev["kind"], move, ev["reason"])
+    out.print(e)
+
+
+@job_app.command("logs")
+def logs(job: str = typer.Argument(..., help="job id or name"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job finishes"),
+         rank: Optional[int] = typer.Option(None, "--rank", help="one rank only (default: all, prefixed)"),
+         cluster: Optional[str] = ClusterOpt) -> None:
+    """Every generation's output of the job's workers (one file per rank, appended across restarts)."""
+    client = _client(cluster)
+    if follow:
+        info = _job_guard(lambda: client.follow(job, rank, write=lambda line: print(line, flush=True)))
+        err.print(f"job {info['id']} {info['state']}: {info['reason']}")
+    else:
+        print(_job_guard(lambda: client.logs(job, rank)), end="")
+
+
+@job_app.command("cancel")
+def cancel(job: str = typer.Argument(..., help="job id or name"), cluster: Optional[str] = ClusterOpt,
+           no_wait: bool = typer.Option(False, "--no-wait", help="return before the workers are stopped")) -> None:
+    """Cancel a job; returns once its workers are stopped."""
+    info = _job_guard(lambda: _client(cluster).cancel(job, wait=not no_wait))
+    out.print(f"job {info['id']} cancelled" + ("" if no_wait else "; its workers are stopped"))

@@ -1,0 +1,227 @@
+"""The Python API of jobs; `phalanx job ...` is a thin layer over it.
+
+    jobs = JobClient("demo")                       # the cluster (optional when only one exists)
+    job = jobs.submit("recipes/tiny.yaml", nodes=4, auto_resume=True, overrides=["training.max_steps=200"])
+    job = jobs.submit(command=["python", "train.py"], nodes=2, max_retries=1)   # any torch.distributed program
+    jobs.list()  jobs.describe(job["id"])  jobs.wait(job["id"])  jobs.cancel(job["id"])
+    jobs.logs(job["id"], rank=0)  jobs.follow(job["id"], write=print)
+
+`submit` validates before anything starts: `--nodes` against the group's member count, and a training
+config with the runtime's own `preflight` at world size = nodes × workers per node (batch arithmetic,
+parallel degrees, data files, vocabulary). Relative paths in the config are made absolute against the
+submitter's working directory (workers run elsewhere). Reads go to the controller; when it is down,
+`list`, `describe`, `logs` and `follow` read SQLite and the log files directly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from phalanx.control.cluster import ClusterClient, ClusterError
+from phalanx.control.http import ApiError, ControllerUnreachable
+from phalanx.control.jobstate import JobRecords
+from phalanx.control.spec import INSTANCE_TYPES
+
+FINAL_STATES = ("succeeded", "failed", "cancelled")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class JobError(RuntimeError):
+    """A job request that was refused, or a job that cannot be found; nothing was started."""
+
+
+def absolute_paths(config, cwd: Path):
+    """The config with run_dir, data.path, checkpoint.dir and model.hf_path absolute (against `cwd`)."""
+    from phalanx.train.config import config_from_dict, dump_config
+
+    tree = dump_config(config)
+
+    def fix(section: dict, key: str) -> None:
+        value = section.get(key)
+        if value is not None and not Path(value).is_absolute():
+            section[key] = str((cwd / value).resolve())
+
+    fix(tree, "run_dir")
+    fix(tree["data"], "path")
+    fix(tree["checkpoint"], "dir")
+    fix(tree["model"], "hf_path")
+    return config_from_dict(tree)
+
+
+def default_name(text: str) -> str | None:
+    """A job name from a run dir or a program name (None: the job id is used)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", text).lstrip("._-")[:64]
+    return name or None
+
+
+class JobClient:
+    def __init__(self, cluster: str | None = None, *, timeout_s: float = 10.0):
+        self.cluster = ClusterClient(cluster, timeout_s=timeout_s)
+
+    # ---- submit -------------------------------------------------------------------------------------
+    def submit(self, config=None, *, command: Sequence[str] | None = None, nodes: int,
+               overrides: Sequence[str] = (), name: str | None = None, group: str | None = None,
+               auto_resume: bool = False, max_retries: int = 0, env: dict[str, str] | None = None,
+               cwd: Path | str | None = None) -> dict:
+        """Submit a training config (path or TrainConfig) or a command. Returns the job (state pending),
+        with `warnings`. Raises JobError, ClusterError, or the runtime's ConfigError / DataError /
+        ParallelConfigError when the config fails preflight — in every case nothing was started."""
+        if (config is None) == (command is None):
+            raise JobError("give either a training config or a command (`-- CMD ...`), not both or neither")
+        if name is not None and not NAME.match(name):
+            raise JobError(f"--name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or "
+                           f"digit")
+        cwd = Path(cwd or os.getcwd()).resolve()
+        info = self.cluster.describe()
+        if not info["controller"]["running"]:
+            raise ClusterError(f"the controller of cluster {self.cluster.name} is not running "
+                               f"(`phalanx cluster start {self.cluster.name}`)")
+        g = self._group(info, group)
+        if nodes < 1 or nodes > g["count"]:
+            raise JobError(f"--nodes {nodes} is not possible in cluster {info['name']}: group {g['name']} has "
+                           f"{g['count']} worker nodes (+{g['spares']} spares, which stand by to replace faulty "
+                           f"nodes and run no jobs); use --nodes 1 to {g['count']}")
+        slots = INSTANCE_TYPES[g["instance_type"]].worker_slots
+        body = {"nodes": nodes, "name": name, "group": g["name"], "cwd": str(cwd), "env": env or {},
+                "auto_resume": auto_resume, "max_retries": max_retries}
+        warnings = []
+        if config is not None:
+            from phalanx.train.config import TrainConfig, dump_config, load_config
+            from phalanx.train.launch import preflight
+
+            cfg = config if isinstance(config, TrainConfig) else load_config(config, list(overrides))
+            cfg = absolute_paths(cfg, cwd)
+            preflight(cfg, nodes * slots)
+            hang = info["health"]["hang_timeout_s"]
+            if cfg.pg_timeout_s <= hang:
+                warnings.append(f"pg_timeout_s={cfg.pg_timeout_s:g} is not above the cluster's hang_timeout_s="
+                                f"{hang:g}: a hung rank's peers time out first and the hang is retried as an "
+                                f"application error instead of replacing its node")
+            body.update(kind="train", config=dump_config(cfg), checkpoint_dir=str(cfg.checkpoint_dir),
+                        name=name or default_name(Path(cfg.run_dir).name))
+        else:
+            body.update(kind="command", argv=list(command), name=name or default_name(Path(command[0]).name))
+        try:
+            job = self.cluster.call("POST", "/v1/jobs", body)
+        except ApiError as err:
+            if 400 <= err.status < 500:
+                raise JobError(err.detail) from None
+            raise
+        job["warnings"] = warnings
+        return job
+
+    @staticmethod
+    def _group(info: dict, name: str | None) -> dict:
+        groups = info["groups"]
+        if name is None:
+            if len(groups) > 1:
+                raise JobError(f"cluster {info['name']} has several instance groups "
+                               f"({', '.join(g['name'] for g in groups)}); name one with --group")
+            return groups[0]
+        for g in groups:
+            if g["name"] == name:
+                return g
+        raise JobError(f"no instance group {name!r} in cluster {info['name']} "
+                       f"(groups: {', '.join(g['name'] for g in groups)})")
+
+    # ---- read ---------------------------------------------------------------------------------------
+    def _offline(self, read: Callable[[JobRecords], object]):
+        return self.cluster._read_store(lambda store: read(JobRecords(store)))
+
+    def list(self) -> list[dict]:
+        try:
+            return self.cluster.call("GET", "/v1/jobs")
+        except ControllerUnreachable:
+            return self._offline(lambda r: [j.public() for j in r.jobs()])
+
+    def describe(self, job: str) -> dict:
+        try:
+            return self.cluster.call("GET", f"/v1/jobs/{job}")
+        except ApiError as err:
+            if err.status == 404:
+                raise JobError(err.detail) from None
+            raise
+        except ControllerUnreachable:
+            def read(records: JobRecords):
+                found = records.find(job)
+                if found is None:
+                    raise JobError(f"no job {job!r} in cluster {self.cluster.name}")
+                return records.describe(found)
+
+            return self._offline(read)
+
+    def wait(self, job: str, *, timeout_s: float = 600.0, states: Sequence[str] = FINAL_STATES,
+             poll_s: float = 0.2) -> dict:
+        """Poll until the job is in one of `states` (default: finished). Raises TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.describe(job)
+            if info["state"] in states:
+                return info
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job} is still {info['state']} after {timeout_s:g} s ({info['reason']})")
+            time.sleep(poll_s)
+
+    def cancel(self, job: str, *, wait: bool = True, timeout_s: float = 30.0) -> dict:
+        """Cancel; with `wait`, return once every worker of the job is confirmed stopped."""
+        try:
+            info = self.cluster.call("POST", f"/v1/jobs/{job}/cancel")
+        except ApiError as err:
+            if err.status in (404, 409):
+                raise JobError(err.detail) from None
+            raise
+        deadline = time.monotonic() + timeout_s
+        while wait:
+            info = self.describe(job)
+            if all(g["ended_at"] for g in info["generations"]):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job}'s workers were not confirmed stopped within {timeout_s:g} s")
+            time.sleep(0.2)
+        return info
+
+    # ---- logs ---------------------------------------------------------------------------------------
+    def log_files(self, job: str, rank: int | None = None) -> dict[int, Path]:
+        info = self.describe(job)
+        if rank is not None and not 0 <= rank < info["world_size"]:
+            raise JobError(f"--rank {rank} is out of range: job {info['id']} has ranks 0-{info['world_size'] - 1}")
+        ranks = range(info["world_size"]) if rank is None else [rank]
+        return {r: Path(info["log_dir"]) / f"rank{r}.log" for r in ranks}
+
+    def logs(self, job: str, rank: int | None = None) -> str:
+        """Every generation's output of one rank, or of all ranks (each line prefixed with its rank)."""
+        files = self.log_files(job, rank)
+        parts = []
+        for r, path in files.items():
+            text = path.read_text(errors="replace") if path.exists() else ""
+            parts.append(text if rank is not None else "".join(f"[rank {r}] {line}\n" for line in text.splitlines()))
+        return "".join(parts)
+
+    def follow(self, job: str, rank: int | None = None, *, write: Callable[[str], None],
+               poll_s: float = 0.2) -> dict:
+        """Write new log lines as they appear until the job finishes; returns its final description."""
+        files = self.log_files(job, rank)
+        offsets = {r: 0 for r in files}
+        partial = {r: "" for r in files}
+        while True:
+            info = self.describe(job)
+            for r, path in files.items():
+                if not path.exists():
+                    continue
+                with open(path, errors="replace") as f:
+                    f.seek(offsets[r])
+                    chunk = f.read()
+                    offsets[r] = f.tell()
+                *lines, partial[r] = (partial[r] + chunk).split("\n")
+                for line in lines:
+                    write(line if rank is not None else f"[rank {r}] {line}")
+            if info["state"] in FINAL_STATES and all(g["ended_at"] for g in info["generations"]):
+                for r, rest in partial.items():
+                    if rest:
+                        write(rest if rank is not None else f"[rank {r}] {rest}")
+                return info
+            time.sleep(poll_s)

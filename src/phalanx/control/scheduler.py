@@ -1,0 +1,449 @@
+"""The job scheduler: turns submitted jobs into generations of workers on healthy nodes, and heals them.
+
+It runs inside the controller, in two places:
+  heartbeats   `ingest()` records what an agent reports about its workers (pid, state, exit code, hang);
+               `assignments()` tells the node which workers to run, with each rank's progress read from the
+               rendezvous store (the agent's hang detector judges it)
+  each tick    `observe()` (before node recovery): a generation whose ranks all exited 0 succeeds the job; a
+               fault stops the generation; a stopped generation is classified and the job is set to restart
+               or fail. `advance()` (after node recovery, so a promoted spare is already a member): start the
+               next generation of pending and recovering jobs on free healthy nodes, or wait for them
+
+Like the reconciler it decides only from SQLite, so a restarted controller carries on where the last one
+stopped and running workers are left alone (their generation is still the one assigned).
+
+Fault policy, decided once every worker of the generation is confirmed gone:
+  node fault   a node of the job is not healthy (agent gone, heartbeat lost, health check failed) or one of
+               its workers froze (the node is marked faulty here; the reconciler replaces it from the spare
+               pool). With auto-resume the job restarts on healthy nodes — the survivors plus promoted spares,
+               waiting for one if none is free — and resumes from its newest checkpoint; without, it fails
+  app error    a worker exited non-zero while every node is healthy, or every rank stalled alive (a deadlock;
+               see workers.py): the job restarts on the same nodes, up to max_retries times, then fails
+
+Every generation gets a fresh MASTER_PORT (picked free on the rank-0 node), so a restart never meets the
+previous generation's rendezvous. One log line per fault says what happened and what happens next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from phalanx.control import seam
+from phalanx.control.jobstate import ACTIVE, FINAL, Generation, Job, JobRecords, JobState, WorkerRecord
+from phalanx.control.store import ClusterStatus, Node, NodeState, Store
+
+log = logging.getLogger("phalanx.scheduler")
+J, S = JobState, NodeState
+NODE_FAULTS = ("node", "hang")
+
+
+class JobRequestError(ValueError):
+    """A job request the controller refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class JobScheduler:
+    def __init__(self, store: Store, backend, *, jobs_root: Path,
+                 read_progress: Callable[[str, int, list[int]], dict[int, dict]] | None,
+                 store_addr: Callable[[], str | None], controller_id: float):
+        self.store = store
+        self.backend = backend
+        self.spec = store.spec()
+        self.records = JobRecords(store)
+        self.jobs_root = jobs_root
+        self.read_progress = read_progress
+        self.store_addr = store_addr
+        self.controller_id = controller_id  # agents restart their hang clocks when this changes
+        self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
+        self._said: dict[str, str] = {}  # job → the waiting line last logged
+
+    # ---- API: submit, cancel, describe --------------------------------------------------------------
+    def submit(self, *, kind: str, nodes: int, name: str | None = None, group: str | None = None,
+               argv: list[str] | None = None, config: dict | None = None, checkpoint_dir: str | None = None,
+               cwd: str, env: dict | None = None, auto_resume: bool = False, max_retries: int = 0) -> Job:
+        status = self.store.cluster()["status"]
+        if status not in (ClusterStatus.IN_SERVICE.value, ClusterStatus.DEGRADED.value):
+            raise JobRequestError(409, f"cluster {self.spec.name} is {status}; jobs run on a cluster in service")
+        g = self._group(group)
+        if nodes > g.count:
+            raise JobRequestError(422, f"--nodes {nodes} is more than group {g.name} has: {g.count} worker nodes "
+                                       f"(+{g.spares} spares, which stand by to replace faulty nodes and run no "
+                                       f"jobs); use --nodes {g.count} or fewer, or grow the group's count")
+        if kind == "train":
+            if config is None or not checkpoint_dir:
+                raise JobRequestError(422, "a train job needs its resolved config and checkpoint_dir")
+            argv = [sys.executable, "-m", seam.TRAIN_WORKER_MODULE]
+        elif not argv:
+            raise JobRequestError(422, "a command job needs a command (`phalanx job submit --nodes N -- CMD ...`)")
+        with self.lock:
+            job = self.records.add_job(name=name, kind=kind, group=g.name, nodes=nodes,
+                                       workers_per_node=g.profile.worker_slots, argv=argv, cwd=cwd, env=env or {},
+                                       config=config, jobs_root=str(self.jobs_root), checkpoint_dir=checkpoint_dir,
+                                       auto_resume=auto_resume, max_retries=max_retries)
+        (Path(job.job_dir) / "logs").mkdir(parents=True, exist_ok=True)
+        if config is not None:
+            (Path(job.job_dir) / "config.json").write_text(json.dumps(config, indent=2))
+        log.info("job %s (%s) submitted: %d nodes × %d workers", job.id, job.name, nodes, job.workers_per_node)
+        return job
+
+    def _group(self, name: str | None):
+        groups = self.spec.instance_groups
+        if name is None:
+            if len(groups) > 1:
+                raise JobRequestError(422, f"cluster has several instance groups ({', '.join(g.name for g in groups)})"
+                                           f"; name one with --group")
+            return groups[0]
+        try:
+            return self.spec.group(name)
+        except KeyError:
+            raise JobRequestError(422, f"no instance group {name!r}; groups: "
+                                       f"{', '.join(g.name for g in groups)}") from None
+
+    def find(self, key: str) -> Job:
+        job = self.records.find(key)
+        if job is None:
+            raise JobRequestError(404, f"no job {key!r} (`phalanx job list` shows the jobs)")
+        return job
+
+    def cancel(self, key: str, reason: str = "cancelled by the user") -> Job:
+        with self.lock:
+            job = self.find(key)
+            if job.state in FINAL:
+                raise JobRequestError(409, f"job {job.id} is already {job.state.value}")
+            self._stop_generation(job, f"job cancelled: {reason}")
+            job = self.records.transition(job.id, J.CANCELLED, f"{reason}; its workers are being stopped")
+        log.info("job %s cancelled (%s); next: its workers are stopped", job.id, reason)
+        return job
+
+    def cancel_all(self, reason: str) -> None:
+        for job in self.records.jobs((J.PENDING, *ACTIVE)):
+            self.cancel(job.id, reason)
+
+    def describe(self, key: str) -> dict:
+        return self.records.describe(self.find(key))
+
+    # ---- heartbeats ---------------------------------------------------------------------------------
+    def ingest(self, node: Node, reports: list[dict], acked_at: float | None) -> None:
+        """Record an agent's worker reports (one row per job, generation and rank)."""
+        with self.lock:
+            self.records.set_node_ack(node.name, acked_at)
+            known = {(w.job, w.generation, w.rank): w for w in self.records.workers(node=node.name)}
+            seen = set()
+            for r in reports:
+                key = (r["job"], r["generation"], r["rank"])
+                seen.add(key)
+                old = known.get(key)
+                row = {"job": r["job"], "generation": r["generation"], "rank": r["rank"], "node": node.name,
+                       "local_rank": r["local_rank"], "pid": r["pid"], "state": r["state"],
+                       "exit_code": r["exit_code"], "detail": r["detail"], "hang": r["hang"],
+                       "frozen": int(r["frozen"]), "stopped": int(r["stopped"]), "step": old.step if old else None,
+                       "started_at": r["started_at"], "ended_at": r["ended_at"]}
+                if old is not None and all(getattr(old, k) == v for k, v in row.items()):
+                    continue
+                self.records.put_worker(row)
+                if r["state"] == "exited" and (old is None or old.state != "exited") and not r["stopped"] \
+                        and r["exit_code"] != 0:
+                    what = f"rank {r['rank']} (pid {r['pid']}) on {node.name} {r['detail']}"
+                    self.store.record_event("worker-exit", what + (f"; hung: {r['hang']}" if r["hang"] else ""),
+                                            node=node.name, job=r["job"])
+            for key, old in known.items():
+                if key not in seen and old.live:
+                    self.records.update_worker(*key, state="lost", detail="no longer reported by its agent")
+
+    def assignments(self, node: Node) -> tuple[float, list[dict]]:
+        """(sent_at, the workers `node` must run). sent_at is taken first, under the lock: an agent that
+        echoes it back has seen every stop decided before it."""
+        with self.lock:
+            sent_at = time.time()
+            if node.state != S.HEALTHY:
+                return sent_at, []
+            out = []
+            for job in self.records.jobs((J.RUNNING,)):
+                gen = self.records.generation(job.id, job.generation)
+                if gen is None or gen.stop_at is not None or node.name not in gen.nodes:
+                    continue
+                per = job.workers_per_node
+                first = gen.nodes.index(node.name) * per
+                ranks = [{"rank": first + i, "local_rank": i} for i in range(per)]
+                progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
+                out.append({
+                    "job": job.id, "generation": gen.generation, "argv": job.argv, "cwd": job.cwd,
+                    "env": self._worker_env(job), "log_dir": str(Path(job.job_dir) / "logs"),
+                    "world_size": job.world_size, "local_world_size": per, "master_addr": gen.master_addr,
+                    "master_port": gen.master_port, "store_addr": gen.store_addr or "",
+                    "checkpoint_dir": job.checkpoint_dir,
+                    "config_path": str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,
+                    "ranks": ranks, "progress": {str(k): v for k, v in progress.items()}, "hang_detection": relayed,
+                })
+            return sent_at, out
+
+    def _worker_env(self, job: Job) -> dict:
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"} if self.spec.backend == "local" else {}
+        env.update(job.env)
+        return env
+
+    def _progress(self, job: Job, gen: Generation, ranks: list[int]) -> tuple[dict[int, dict], bool]:
+        """Each rank's {"step", "beat"}, and whether they can be relied on (False: agents' hang checks off)."""
+        if self.read_progress is None:
+            return {}, False
+        if gen.store_addr != self.store_addr():
+            self._say(f"store:{job.id}:{gen.generation}", f"job {job.id}: the rendezvous store moved from "
+                      f"{gen.store_addr} to {self.store_addr()} (controller restart, old port taken); hang detection "
+                      f"is off for generation {gen.generation}, next: back on from the next generation")
+            return {}, False
+        try:
+            progress = self.read_progress(job.id, gen.generation, ranks)
+        except RuntimeError as err:  # torch's store errors
+            self._say(f"read:{job.id}", f"job {job.id}: cannot read progress from the rendezvous store ({err}); "
+                                        f"hang detection paused, next: retrying at the next heartbeat")
+            return {}, False
+        self._said.pop(f"read:{job.id}", None)
+        for w in self.records.workers(job=job.id, generation=gen.generation):
+            step = (progress.get(w.rank) or {}).get("step")
+            if step is not None and step != w.step:
+                self.records.update_worker(job.id, gen.generation, w.rank, step=step)
+        return progress, True
+
+    # ---- ticks: observe (before node recovery) ------------------------------------------------------
+    def observe(self, now: float, mark_faulty: Callable[[Node, str], None]) -> None:
+        with self.lock:
+            for job in self.records.jobs((J.RUNNING,)):
+                gen = self.records.generation(job.id, job.generation)
+                if gen is not None and gen.stop_at is None:
+                    self._check_running(job, gen, now, mark_faulty)
+            for gen in self.records.generations(open_only=True):
+                if gen.stop_at is not None:
+                    self._finish_stopping(gen, now, mark_faulty)
+            self._show_node_jobs()
+
+    def _check_running(self, job: Job, gen: Generation, now: float, mark_faulty) -> None:
+        rows = self.records.workers(job=job.id, generation=gen.generation)
+        self._track_progress(job, gen, rows, now)
+        if len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows):
+            done = f"all {job.world_size} ranks exited 0"
+            self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome="succeeded",
+                                           end_reason=done)
+            step = self.records.job(job.id).last_step
+            self.records.transition(job.id, J.SUCCEEDED, done + (f" (last step {step})" if step is not None else ""))
+            log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
+            return
+        faults = self._faults(job, gen, rows)
+        if not faults:
+            return
+        self._record_faults(job, gen, faults, mark_faulty)
+        # stop_at: taken now, under the lock — a reply with a later sent_at no longer carries this generation
+        self.records.update_generation(job.id, gen.generation, stop_at=time.time())
+        first = faults[0]["detail"]
+        self.records.transition(job.id, J.RECOVERING, f"generation {gen.generation} stopping: {first}")
+        log.warning("job %s generation %d: %s; next: stop its other workers, then restart or fail the job by the "
+                    "fault policy", job.id, gen.generation, first)
+
+    def _faults(self, job: Job, gen: Generation, rows: list[WorkerRecord]) -> list[dict]:
+        found = []
+        for name in gen.nodes:
+            node = self.store.node(name)
+            if node is None or node.state != S.HEALTHY:
+                why = (node.reason or "").splitlines()[0] if node else "unknown node"
+                found.append({"kind": "node", "node": name, "rank": None, "time": time.time(),
+                              "detail": f"node {name} {node.state.value if node else 'gone'}: {why}"})
+        for w in rows:
+            if w.state == "exited" and not w.stopped and w.exit_code != 0:
+                if w.hang:
+                    found.append({"kind": "hang" if w.frozen else "stall", "node": w.node, "rank": w.rank,
+                                  "time": w.ended_at,
+                                  "detail": f"rank {w.rank} on {w.node} hung ({w.hang}); killed by its agent"})
+                else:
+                    found.append({"kind": "exit", "node": w.node, "rank": w.rank, "time": w.ended_at,
+                                  "detail": f"rank {w.rank} on {w.node} {w.detail}"})
+        return found
+
+    def _record_faults(self, job: Job, gen: Generation, faults: list[dict], mark_faulty) -> list[dict]:
+        current = self.records.generation(job.id, gen.generation).faults
+        have = {(f["kind"], f["node"], f["rank"]) for f in current}
+        new = [f for f in faults if (f["kind"], f["node"], f["rank"]) not in have]
+        if not new:
+            return current
+        for f in new:
+            if f["kind"] == "hang":
+                self.store.record_event("hang", f["detail"], node=f["node"], job=job.id)
+                node = self.store.node(f["node"])
+                if node is not None and node.state == S.HEALTHY:
+                    mark_faulty(node, f"worker {f['detail']} (a hang is a node fault)")
+        self.records.update_generation(job.id, gen.generation, faults=current + new)
+        return current + new
+
+    def _track_progress(self, job: Job, gen: Generation, rows: list[WorkerRecord], now: float) -> None:
+        steps = [w.step for w in rows]
+        if len(steps) < job.world_size or any(s is None for s in steps):
+            return
+        step = min(steps)
+        if gen.start_step is None:
+            self.records.update_generation(job.id, gen.generation, start_step=step, last_step=step)
+        elif gen.first_step_at is None and step > gen.start_step:
+            self.records.update_generation(job.id, gen.generation, first_step_at=now)
+        if step != gen.last_step:
+            self.records.update_generation(job.id, gen.generation, last_step=step)
+        if step != job.last_step:
+            self.records.update_job(job.id, last_step=step)
+
+    def _stop_generation(self, job: Job, reason: str) -> None:
+        gen = self.records.generation(job.id, job.generation) if job.generation else None
+        if gen is not None and gen.stop_at is None:
+            self.records.update_generation(job.id, gen.generation, stop_at=time.time(), end_reason=reason)
+
+    def _finish_stopping(self, gen: Generation, now: float, mark_faulty) -> None:
+        job = self.records.job(gen.job)
+        fault_path = job.state == J.RECOVERING and job.generation == gen.generation
+        if fault_path:  # late evidence (a hang report, a node found faulty) still counts
+            rows = self.records.workers(job=job.id, generation=gen.generation)
+            self._record_faults(job, gen, self._faults(job, gen, rows), mark_faulty)
+        if not self._all_stopped(gen):
+            return
+        if not fault_path:
+            self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="cancelled"
+                                           if job.state == J.CANCELLED else job.state.value)
+            return
+        self._conclude(job, self.records.generation(job.id, gen.generation), now)
+
+    def _all_stopped(self, gen: Generation) -> bool:
+        for name in gen.nodes:
+            node = self.store.node(name)
+            rows = [w for w in self.records.workers(job=gen.job, generation=gen.generation, node=name) if w.live]
+            gone = node is None or node.state == S.TERMINATED or (node.pid and self.backend.gone(node))
+            if gone:
+                if node is not None and node.state != S.TERMINATED:
+                    self.backend.kill(node)  # whatever of the node survived its agent dies with it
+                for w in rows:
+                    self.records.update_worker(w.job, w.generation, w.rank, state="lost",
+                                               detail=f"its node {name} is gone")
+                continue
+            if (node.acked_at or 0) < gen.stop_at or rows:
+                return False
+        return True
+
+    def _conclude(self, job: Job, gen: Generation, now: float) -> None:
+        """Every worker of the stopped generation is gone: classify the faults and restart or fail."""
+        node_faults = [f for f in gen.faults if f["kind"] in NODE_FAULTS]
+        if node_faults:
+            root = next((f for f in node_faults if f["kind"] == "hang"), node_faults[0])
+            bad = sorted({f["node"] for f in node_faults})
+            self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="node-fault",
+                                           end_reason=root["detail"])
+            self.records.update_job(job.id, node_faults=job.node_faults + 1)
+            if job.auto_resume:
+                resume = "from the newest checkpoint" if job.kind == "train" else "(the command is run again)"
+                why = f"{root['detail']}; next: restart on healthy nodes (replacing {', '.join(bad)}) {resume}"
+                self.records.update_job(job.id, reason=why)
+                self.store.record_event("recovery", why, job=job.id)
+                log.warning("job %s generation %d ended by a node fault: %s", job.id, gen.generation, why)
+            else:
+                why = (f"{root['detail']}; auto-resume is off, so the job is not restarted (submit with "
+                       f"--auto-resume to restart it on a replacement node from its newest checkpoint)")
+                self.records.transition(job.id, J.FAILED, why)
+                log.error("job %s failed: %s", job.id, why)
+            return
+        exits = sorted((f for f in gen.faults if f["kind"] in ("exit", "stall")), key=lambda f: f["time"] or 0)
+        root = exits[0]["detail"] if exits else gen.end_reason or "generation stopped"
+        self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="app-error", end_reason=root)
+        if job.retries < job.max_retries:
+            why = (f"{root} (application error: every node healthy); next: retry {job.retries + 1}/"
+                   f"{job.max_retries} on the same nodes")
+            self.records.update_job(job.id, retries=job.retries + 1, reason=why)
+            self.store.record_event("recovery", why, job=job.id)
+            log.warning("job %s generation %d: %s", job.id, gen.generation, why)
+        else:
+            why = (f"{root} (application error: every node healthy); {job.retries} retries used "
+                   f"(max_retries={job.max_retries}), so the job is not restarted")
+            self.records.transition(job.id, J.FAILED, why)
+            log.error("job %s failed: %s", job.id, why)
+
+    def _show_node_jobs(self) -> None:
+        """nodes.job (shown by `cluster list-nodes`) = the active job holding the node."""
+        holder = {n: j.id for j in self.records.jobs(ACTIVE) for n in j.nodes}
+        for node in self.store.nodes(include_terminated=False):
+            if node.job != holder.get(node.name):
+                self.store.update_node(node.name, job=holder.get(node.name))
+
+    # ---- ticks: advance (after node recovery) -------------------------------------------------------
+    def advance(self, now: float) -> None:
+        with self.lock:
+            waiting = [j for j in self.records.jobs((J.RECOVERING,))
+                       if (g := self.records.generation(j.id, j.generation)) is not None and g.ended_at is not None]
+            for job in waiting + self.records.jobs((J.PENDING,)):
+                nodes, why = self._choose_nodes(job)
+                if nodes is None:
+                    self._wait(job, why)
+                else:
+                    self._launch(job, nodes)
+
+    def _choose_nodes(self, job: Job) -> tuple[list[str] | None, str]:
+        taken = {n for j in self.records.jobs(ACTIVE) if j.id != job.id for n in j.nodes}
+        taken |= {n for g in self.records.generations(open_only=True) if g.job != job.id for n in g.nodes}
+        live_workers = {w.node for w in self.records.workers() if w.live}
+
+        def usable(n: Node) -> bool:  # (a stopped generation's nodes are confirmed clean: see _all_stopped)
+            return (n.state == S.HEALTHY and not n.is_spare and n.group == job.group_name and n.name not in taken
+                    and n.name not in live_workers)
+
+        nodes = self.store.nodes(include_terminated=False)
+        ok = {n.name for n in nodes if usable(n)}
+        keep = [n for n in job.nodes if n in ok]
+        free = [n.name for n in nodes if n.name in ok and n.name not in job.nodes]
+        need = job.nodes_requested - len(keep)
+        if len(free) < need:
+            if job.state == J.PENDING:
+                return None, (f"waiting for {job.nodes_requested} free healthy nodes of group {job.group_name} "
+                              f"({len(free)} free now)")
+            lost = [n for n in job.nodes if n not in ok and self._node_state(n) != S.HEALTHY] or \
+                [n for n in job.nodes if n not in ok]
+            spares = [n for n in nodes if n.group == job.group_name and n.is_spare]
+            pool = (f"{sum(n.state == S.HEALTHY for n in spares)} healthy spares, "
+                    f"{sum(n.state != S.HEALTHY for n in spares)} being provisioned")
+            why = f"waiting for {need - len(free)} healthy node(s) to replace {', '.join(lost)} (spare pool: {pool})"
+            if self.spec.node_recovery == "none":
+                why += "; node_recovery=none, so none is coming: cancel the job or repair the cluster"
+            return None, why
+        chosen = [n if n in ok else free.pop(0) for n in job.nodes]
+        chosen += free[:job.nodes_requested - len(chosen)]
+        return chosen, ""
+
+    def _node_state(self, name: str) -> NodeState | None:
+        node = self.store.node(name)
+        return node.state if node else None
+
+    def _wait(self, job: Job, why: str) -> None:
+        if self._said.get(job.id) != why:
+            self._said[job.id] = why
+            self.records.update_job(job.id, reason=why)
+            self.store.record_event("waiting", why, job=job.id)
+            log.info("job %s %s", job.id, why)
+
+    def _launch(self, job: Job, nodes: list[str]) -> None:
+        self._said.pop(job.id, None)
+        g = job.generation + 1
+        first = self.store.node(nodes[0])
+        addr, port = self.backend.node_host(first), self.backend.free_port(first)
+        self.records.add_generation(job.id, g, nodes, addr, port, self.store_addr())
+        per = job.workers_per_node
+        layout = ", ".join(f"{n}: ranks {i * per}-{i * per + per - 1}" if per > 1 else f"{n}: rank {i}"
+                           for i, n in enumerate(nodes))
+        what = f"generation {g} on {len(nodes)} nodes ({layout}); MASTER_ADDR={addr} MASTER_PORT={port}"
+        if g > 1:
+            what += "; resuming from the newest checkpoint" if job.kind == "train" else "; restarting the command"
+        self.records.transition(job.id, J.RUNNING, what, generation=g, attempts=job.attempts + 1, nodes=nodes)
+        self.store.record_event("generation", what, job=job.id)
+        log.info("job %s: %s", job.id, what)
+
+    def _say(self, key: str, line: str) -> None:
+        if key not in self._said:
+            self._said[key] = line
+            log.warning(line)

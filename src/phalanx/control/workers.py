@@ -1,0 +1,283 @@
+"""The agent's workers: start the processes the controller assigns, stop the ones it no longer wants,
+notice exits and hangs, and report them.
+
+An *assignment* (in a heartbeat reply) is one generation of one job on this node:
+
+    {"job", "generation", "argv", "cwd", "env", "log_dir", "world_size", "local_world_size",
+     "master_addr", "master_port", "store_addr", "checkpoint_dir", "config_path",
+     "ranks": [{"rank", "local_rank"}], "progress": {"<rank>": {"step", "beat"}}, "hang_detection": bool}
+
+Workers are started with `seam.worker_env`, each in a process group of its own (a stop reaches its
+children) inside the node's session (killing the node kills them too). Output goes to LOG_DIR/rank{R}.log,
+appended across generations, with a header and a footer line per run. A worker the controller stops gets
+SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
+
+Hang detection: the controller relays each rank's progress and liveness beat (`seam.progress_key`,
+`seam.alive_key`) in every reply. When one rank of a collective job hangs, every rank stops progressing —
+the others wait for it — so progress alone cannot name the culprit; the beat can:
+  frozen   no progress and no beat for `hang_timeout_s` (the process itself is stuck: SIGSTOP, a stalled
+           host): SIGKILLed at once and reported as hung (`frozen`), which the controller treats as a node
+           fault. Its peers then fail at once and are stopped.
+  stalled  no progress for 2 × `hang_timeout_s` while the beat goes on (every rank waiting: a deadlock, a
+           stuck collective): SIGKILLed and reported as hung but alive — a job-level fault, not a node's.
+Nothing is judged while the relay is down (the controller unreachable: `relay_down()`), and the clocks
+restart with the first reply after any gap (an outage, a restarted controller with an empty store), so an
+outage is never taken for a hang. Workers that never report progress (plain torch.distributed programs)
+are not judged.
+
+Standard library only. Knows nothing about the scheduler's policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from phalanx.control import seam
+
+log = logging.getLogger("phalanx.agent.workers")
+STOP_GRACE_S = 3.0
+
+
+def describe_exit(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _own_process_group() -> dict:
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass  # the whole group is gone already: what the signal was for
+
+
+@dataclass
+class Worker:
+    job: str
+    generation: int
+    rank: int
+    local_rank: int
+    pid: int | None
+    started_at: float
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    state: str = "running"  # running | stopping | exited
+    exit_code: int | None = None
+    detail: str | None = None
+    hang: str | None = None
+    stopped: bool = False  # stopped on the controller's request: not a fault
+    stop_sent_at: float | None = None  # monotonic
+    killed_after_grace: bool = False
+    ended_at: float | None = None
+    last_step: int | None = None  # relayed progress
+    last_change: float = 0.0  # monotonic time the relayed progress last changed (or the clock restarted)
+    last_beat: int | None = None  # relayed liveness counter
+    last_beat_change: float = 0.0
+    frozen: bool = False  # hung with its liveness beat stopped too
+    hang_detection: bool = True
+    reported_exit: bool = False  # a heartbeat carrying its exit was answered
+
+    @property
+    def assignment(self) -> tuple[str, int]:
+        return self.job, self.generation
+
+    def as_report(self) -> dict:
+        return {"job": self.job, "generation": self.generation, "rank": self.rank, "local_rank": self.local_rank,
+                "pid": self.pid, "state": self.state, "exit_code": self.exit_code, "detail": self.detail,
+                "hang": self.hang, "frozen": self.frozen, "stopped": self.stopped, "started_at": self.started_at,
+                "ended_at": self.ended_at}
+
+
+class WorkerSupervisor:
+    def __init__(self, node: str, token: str, hang_timeout_s: float, *, wake: Callable[[], None]):
+        self.node = node
+        self.token = token
+        self.hang_timeout_s = hang_timeout_s
+        self.wake = wake  # send a heartbeat now (an exit must reach the controller within one)
+        self.lock = threading.Lock()
+        self.workers: dict[tuple[str, int, int], Worker] = {}
+        self.desired: set[tuple[str, int]] = set()
+        self.relay_up = False  # progress relayed by the controller's latest reply (hang checks run only then)
+
+    def relay_down(self) -> None:
+        """The controller did not answer: stop judging hangs until its next reply (which restarts the clocks)."""
+        with self.lock:
+            self.relay_up = False
+
+    # ---- what the controller wants (called with each heartbeat reply) ---------------------------------
+    def apply(self, assignments: list[dict], *, relay_gap: bool) -> None:
+        now = time.monotonic()
+        with self.lock:
+            relay_gap = relay_gap or not self.relay_up
+            self.relay_up = True
+            self.desired = {(a["job"], a["generation"]) for a in assignments}
+            for a in assignments:
+                for r in a["ranks"]:
+                    key = (a["job"], a["generation"], r["rank"])
+                    w = self.workers.get(key)
+                    if w is None:
+                        self.workers[key] = self._start(a, r["rank"], r["local_rank"])
+                        continue
+                    if w.state != "running":
+                        continue
+                    w.hang_detection = bool(a.get("hang_detection", True))
+                    if relay_gap:
+                        w.last_change = w.last_beat_change = now
+                    seen = a.get("progress", {}).get(str(w.rank)) or {}
+                    if seen.get("step") is not None and seen["step"] != w.last_step:
+                        w.last_step, w.last_change = seen["step"], now
+                    if seen.get("beat") is not None and seen["beat"] != w.last_beat:
+                        w.last_beat, w.last_beat_change = seen["beat"], now
+            for w in self.workers.values():
+                if w.assignment not in self.desired and w.state == "running":
+                    self._stop(w, now)
+
+    def _start(self, a: dict, rank: int, local_rank: int) -> Worker:
+        placement = seam.WorkerPlacement(
+            job_id=a["job"], generation=a["generation"], rank=rank, world_size=a["world_size"],
+            local_rank=local_rank, local_world_size=a["local_world_size"], master_addr=a["master_addr"],
+            master_port=a["master_port"], store_addr=a["store_addr"], checkpoint_dir=a["checkpoint_dir"],
+            cluster_token=self.token, config_path=a.get("config_path"),
+        )
+        env = seam.worker_env(placement, base={**os.environ, **a.get("env", {})})
+        log_path = Path(a["log_dir"]) / f"rank{rank}.log"
+        w = Worker(a["job"], a["generation"], rank, local_rank, pid=None, started_at=time.time(), log_path=log_path,
+                   last_change=time.monotonic())
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as out:
+                out.write(f"=== phalanx: job {w.job} generation {w.generation} rank {rank} on node {self.node}, "
+                          f"started {time.strftime('%H:%M:%S')} ===\n".encode())
+                out.flush()
+                w.proc = subprocess.Popen(a["argv"], cwd=a["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=subprocess.STDOUT, **_own_process_group())
+        except OSError as err:
+            w.state, w.exit_code, w.ended_at = "exited", 127, time.time()
+            w.detail = f"could not be started ({' '.join(a['argv'])[:200]} in {a['cwd']}): {err}"
+            log.error("worker rank %d of job %s generation %d %s; reporting it, the controller decides what happens "
+                      "next", rank, w.job, w.generation, w.detail)
+            self.wake()
+            return w
+        w.pid = w.proc.pid
+        log.info("started worker rank %d/%d of job %s generation %d (pid %d, MASTER_PORT %s, log %s)", rank,
+                 a["world_size"], w.job, w.generation, w.pid, a["master_port"], log_path)
+        return w
+
+    def _stop(self, w: Worker, now: float) -> None:
+        w.state, w.stopped, w.stop_sent_at = "stopping", True, now
+        log.info("stopping worker rank %d of job %s generation %d (pid %d): no longer assigned; SIGTERM, SIGKILL "
+                 "after %.0f s", w.rank, w.job, w.generation, w.pid, STOP_GRACE_S)
+        _signal_group(w.pid, signal.SIGTERM)
+        _signal_group(w.pid, signal.SIGCONT)
+
+    # ---- watching (a thread of the agent, every ~0.1 s) -------------------------------------------------
+    def poll(self) -> None:
+        now, exited = time.monotonic(), False
+        with self.lock:
+            for w in self.workers.values():
+                if w.proc is None or w.state == "exited":
+                    continue
+                code = w.proc.poll()
+                if code is not None:
+                    self._exited(w, code)
+                    exited = True
+                elif w.state == "running" and self.relay_up and w.hang_detection and w.last_step is not None \
+                        and not w.hang:
+                    self._judge_hang(w, now)
+                elif w.state == "stopping" and not w.killed_after_grace and now - w.stop_sent_at > STOP_GRACE_S:
+                    log.warning("worker rank %d of job %s (pid %d) still running %.0f s after SIGTERM; next: SIGKILL",
+                                w.rank, w.job, w.pid, STOP_GRACE_S)
+                    w.killed_after_grace = True
+                    _signal_group(w.pid, signal.SIGKILL)
+        if exited:
+            self.wake()
+
+    def _judge_hang(self, w: Worker, now: float) -> None:
+        silent, timeout = now - w.last_change, self.hang_timeout_s
+        if silent <= timeout:
+            return
+        beat_silent = now - w.last_beat_change
+        if w.last_beat is not None and beat_silent > timeout / 2:
+            w.frozen = True
+            w.hang = (f"frozen: no progress for {silent:.1f} s after step {w.last_step} and no liveness beat for "
+                      f"{beat_silent:.1f} s (hang_timeout_s={timeout:g})")
+        elif silent > 2 * timeout:
+            w.hang = (f"stalled: no progress for {silent:.1f} s after step {w.last_step} while alive (waiting on "
+                      f"its peers: a deadlock or a stuck collective; 2 × hang_timeout_s={timeout:g})")
+        else:
+            return  # alive and waiting: most likely on a frozen peer, which its own agent kills
+        log.error("worker rank %d of job %s generation %d (pid %d) hung, %s; next: SIGKILL it and report the hang",
+                  w.rank, w.job, w.generation, w.pid, w.hang)
+        _signal_group(w.pid, signal.SIGKILL)
+
+    def _exited(self, w: Worker, code: int) -> None:
+        w.state, w.exit_code, w.ended_at = "exited", code, time.time()
+        w.detail = describe_exit(code)
+        try:
+            with open(w.log_path, "ab") as out:
+                out.write(f"=== phalanx: rank {w.rank} {w.detail}{' (stopped by its agent)' if w.stopped else ''}"
+                          f"{' (hung: ' + w.hang + ')' if w.hang else ''} ===\n".encode())
+        except OSError as err:
+            log.warning("could not append the exit line to %s: %s", w.log_path, err)
+        if w.stopped:
+            log.info("worker rank %d of job %s generation %d stopped (%s)", w.rank, w.job, w.generation, w.detail)
+        elif code != 0 and not w.hang:
+            log.warning("worker rank %d of job %s generation %d (pid %d) %s; reporting it, the controller decides "
+                        "what happens next", w.rank, w.job, w.generation, w.pid, w.detail)
+        else:
+            log.info("worker rank %d of job %s generation %d %s", w.rank, w.job, w.generation, w.detail)
+
+    # ---- reporting -------------------------------------------------------------------------------------
+    def report(self) -> list[dict]:
+        with self.lock:
+            return [w.as_report() for w in self.workers.values()]
+
+    def acknowledged(self, reported: list[dict]) -> None:
+        """A heartbeat carrying `reported` was answered: exits in it are known to the controller. Forget
+        exited workers the controller no longer assigns."""
+        with self.lock:
+            for r in reported:
+                w = self.workers.get((r["job"], r["generation"], r["rank"]))
+                if w is not None and r["state"] == "exited":
+                    w.reported_exit = True
+            for key in [k for k, w in self.workers.items()
+                        if w.state == "exited" and w.reported_exit and w.assignment not in self.desired]:
+                del self.workers[key]
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """Rank → exit code (None while running) of the workers currently assigned (the workers check)."""
+        with self.lock:
+            return {w.rank: w.exit_code for w in self.workers.values() if w.assignment in self.desired}
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """The agent is exiting: SIGTERM every worker, SIGKILL what is left after `grace_s`."""
+        with self.lock:
+            self.desired = set()
+            running = [w for w in self.workers.values() if w.proc is not None and w.state != "exited"]
+            for w in running:
+                if w.state == "running":
+                    self._stop(w, time.monotonic())
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in running):
+            time.sleep(0.05)
+        for w in running:
+            if w.proc.poll() is None:
+                log.warning("worker rank %d of job %s (pid %d) ignored SIGTERM; SIGKILL", w.rank, w.job, w.pid)
+                _signal_group(w.pid, signal.SIGKILL)
+            code = w.proc.wait()
+            with self.lock:
+                if w.state != "exited":  # (the watch thread may have seen it first)
+                    self._exited(w, code)
