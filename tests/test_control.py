@@ -19,6 +19,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from phalanx.cli import app
 from phalanx.control import seam
 from phalanx.control.backend import AGENT_MODULE, process_group_members, process_running, processes_mentioning
@@ -33,41 +34,6 @@ runner = CliRunner()
 
 
 # ---- fixtures and helpers ------------------------------------------------------------------------------
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A private PHALANX_HOME. Teardown: delete every cluster, then fail if anything had to be killed."""
-    root = tmp_path / "home"
-    monkeypatch.setenv("PHALANX_HOME", str(root))
-    yield root
-    groups: set[int] = set()
-    tracebacks = []
-    for name in list_clusters():
-        paths = ClusterPaths.for_name(name)
-        store = Store(paths.db)
-        groups.update(n.pid for n in store.nodes() if n.pid)
-        store.close()
-        for log in [paths.controller_log, *paths.root.glob("nodes/*/agent.log")]:
-            if "Traceback" in log.read_text():
-                tracebacks.append(f"{log}:\n{log.read_text()[-3000:]}")
-    errors = []
-    for name in list_clusters():
-        try:
-            delete_cluster(name, timeout_s=15)
-        except Exception as err:  # keep cleaning up; reported below
-            errors.append(f"delete {name}: {err!r}")
-    leftovers = set(processes_mentioning(str(root)))
-    for pgid in groups:
-        leftovers.update(process_group_members(pgid))
-    for pid in leftovers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not errors, errors
-    assert not tracebacks, "\n".join(tracebacks)  # a reconciler/agent error must not pass silently
-    assert not leftovers, f"processes left behind after cluster delete: {leftovers}"
-
-
 def write_spec(dir: Path, *, name="c1", count=2, spares=1, script: str | None = "echo configured $PHALANX_NODE_NAME",
                **top) -> Path:
     group = {"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares}
@@ -78,16 +44,6 @@ def write_spec(dir: Path, *, name="c1", count=2, spares=1, script: str | None = 
     path = dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def nodes_by_name(client: ClusterClient) -> dict[str, dict]:

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
 from phalanx.cli import app
 from phalanx.control import seam
@@ -37,42 +38,6 @@ PY = sys.executable
 
 
 # ---- fixtures and helpers ------------------------------------------------------------------------------
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A private PHALANX_HOME. Teardown: delete every cluster, then fail if any process of it survived."""
-    root = tmp_path / "home"
-    monkeypatch.setenv("PHALANX_HOME", str(root))
-    yield root
-    sessions, workers, tracebacks = set(), set(), []
-    for name in list_clusters():
-        paths = ClusterPaths.for_name(name)
-        store = Store(paths.db)
-        sessions.update(n.pid for n in store.nodes() if n.pid)
-        workers.update(r["pid"] for r in store.execute("SELECT pid FROM workers") if r["pid"])
-        store.close()
-        for log in [paths.controller_log, *paths.root.glob("nodes/*/agent.log")]:
-            if "Traceback" in log.read_text():
-                tracebacks.append(f"{log}:\n{log.read_text()[-3000:]}")
-    errors = []
-    for name in list_clusters():
-        try:
-            delete_cluster(name, timeout_s=15)
-        except Exception as err:  # keep cleaning up; reported below
-            errors.append(f"delete {name}: {err!r}")
-    leftovers = set(processes_mentioning(str(root)))
-    for sid in sessions:
-        leftovers.update(session_members(sid))
-    leftovers.update(p for p in workers if process_running(p, "python"))
-    for pid in leftovers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not errors, errors
-    assert not tracebacks, "\n".join(tracebacks)  # a reconciler/agent error must not pass silently
-    assert not leftovers, f"processes left behind after cluster delete: {leftovers}"
-
-
 def write_spec(dir: Path, *, name="c1", count=2, spares=1, **health) -> Path:
     tree = {"name": name, "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": count,
                                                 "spares": spares}],
@@ -80,16 +45,6 @@ def write_spec(dir: Path, *, name="c1", count=2, spares=1, **health) -> Path:
     path = dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def cli(*args) -> tuple[int, str]:

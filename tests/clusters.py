@@ -1,0 +1,61 @@
+"""Shared by the control-plane tests: a private PHALANX_HOME whose teardown deletes every cluster and fails if
+any agent, worker or child of theirs survived (even when the test failed), and a polling helper."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from phalanx.control.backend import process_running, processes_mentioning, session_members
+from phalanx.control.cluster import delete_cluster
+from phalanx.control.paths import ClusterPaths, list_clusters
+from phalanx.control.store import Store
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private PHALANX_HOME. Teardown: delete every cluster, then fail if any process of it survived."""
+    root = tmp_path / "home"
+    monkeypatch.setenv("PHALANX_HOME", str(root))
+    yield root
+    sessions, workers, tracebacks = set(), set(), []
+    for name in list_clusters():
+        paths = ClusterPaths.for_name(name)
+        store = Store(paths.db)
+        sessions.update(n.pid for n in store.nodes() if n.pid)
+        workers.update(r["pid"] for r in store.execute("SELECT pid FROM workers") if r["pid"])
+        store.close()
+        for log in [paths.controller_log, *paths.root.glob("nodes/*/agent.log")]:
+            if "Traceback" in log.read_text():
+                tracebacks.append(f"{log}:\n{log.read_text()[-3000:]}")
+    errors = []
+    for name in list_clusters():
+        try:
+            delete_cluster(name, timeout_s=15)
+        except Exception as err:  # keep cleaning up; reported below
+            errors.append(f"delete {name}: {err!r}")
+    leftovers = set(processes_mentioning(str(root)))
+    for sid in sessions:
+        leftovers.update(session_members(sid))
+    leftovers.update(p for p in workers if process_running(p, "python"))
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not errors, errors
+    assert not tracebacks, "\n".join(tracebacks)  # a reconciler/agent error must not pass silently
+    assert not leftovers, f"processes left behind after cluster delete: {leftovers}"
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
