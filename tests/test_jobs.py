@@ -241,10 +241,13 @@ def test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_
     assert [g["outcome"] for g in gens] == ["app-error"] * 3
     assert gens[0]["nodes"] == gens[1]["nodes"] == gens[2]["nodes"] == ["workers-0", "workers-1"]
     assert len({g["master_port"] for g in gens}) == 3, "a fresh rendezvous port per generation"
-    assert jobs.logs(failing["id"], rank=0).count("boom") == 3
+    # the rank that exits first fails the generation and its sibling is stopped, possibly before it printed:
+    # each generation logs one or two "boom"s, and each banner once per rank
+    logged = jobs.logs(failing["id"])
+    assert 3 <= logged.count("boom") <= 6 and jobs.logs(failing["id"], rank=0).count("=== phalanx: job") == 3
     followed: list[str] = []
     assert jobs.follow(failing["id"], write=followed.append)["state"] == "failed"  # returns: the job is over
-    assert sum("boom" in line for line in followed) == 6 and followed[0].startswith("[rank 0] === phalanx: job")
+    assert followed == logged.splitlines() and followed[0].startswith("[rank 0] === phalanx: job")
     assert not [e for e in client.events() if e["to_state"] == "faulty"], "an app error replaces nothing"
 
     # kill-worker is the same path: the agent reports the exit, the job restarts on the same nodes
