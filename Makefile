@@ -20,9 +20,10 @@ install: $(STAMP)
 data/demo/train.bin: $(STAMP)
 	$(VENV)/bin/phalanx data prepare --demo --out data/demo
 
+# A local cluster of 4 nodes + 1 spare trains the tiny recipe; a node is killed halfway and the job recovers.
 demo: $(STAMP) data/demo/train.bin
 	rm -rf runs/demo
-	$(VENV)/bin/phalanx train recipes/tiny-llama.yaml --nproc $(NPROC) run_dir=runs/demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/phalanx demo recipes/tiny-llama.yaml --run-dir runs/demo --nodes $(NPROC)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra

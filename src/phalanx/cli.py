@@ -68,6 +68,28 @@ def export_hf_command(
     Console().print(f"wrote {path}")
 
 
+@app.command()
+def demo(
+    recipe: Path = typer.Argument(Path("recipes/tiny-llama.yaml"), help="training recipe to run"),
+    run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="where the run, its checkpoints and the "
+                                 "demo cluster's state go"),
+    nodes: int = typer.Option(4, "--nodes", min=2, help="worker nodes (one training process each), plus 1 spare"),
+    overrides: list[str] = typer.Argument(None, help="config overrides, key=value"),
+) -> None:
+    """Create a local cluster, train RECIPE with auto-resume, kill a node halfway, show the recovery, delete it."""
+    from phalanx.control.cluster import ClusterError
+    from phalanx.control.jobs import JobError
+    from phalanx.data import DataError
+    from phalanx.demo import run_demo
+    from phalanx.train.config import ConfigError
+
+    try:
+        run_demo(recipe, run_dir, nodes=nodes, overrides=list(overrides or []))
+    except (ConfigError, DataError, ClusterError, JobError, RuntimeError) as err:
+        err_console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from None
+
+
 def _print_summary(run_dir: Path) -> None:
     from rich.table import Table
 
