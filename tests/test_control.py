@@ -349,3 +349,30 @@ def test_recovery_none_leaves_the_faulty_node_and_no_spares_means_a_fresh_node(t
     assert [n["state"] for n in keep.nodes()] == ["faulty"]
     assert keep.describe()["status"] == "degraded"
     assert any("node_recovery=none" in e["reason"] for e in keep.events())
+
+
+@pytest.mark.slow
+def test_deep_health_check_pairs_new_nodes_with_a_healthy_peer_and_fails_slow_links(tmp_path, home):
+    deep = {"deep_health_check": True, "deep_check_size_mb": 1, "deep_check_iters": 3}
+    create_cluster(write_spec(tmp_path, health=deep), timeout_s=120)
+    client = ClusterClient("c1")
+    healthy = {n: [e for e in client.events(node=n) if e.get("to_state") == "healthy"]
+               for n in ("workers-0", "workers-1", "workers-2")}
+    for name, events in healthy.items():  # creation: one round across every node of the group
+        assert len(events) == 1 and "deep health check: bus bandwidth" in events[0]["reason"], events
+        assert "across workers-0, workers-1, workers-2, 3 processes" in events[0]["reason"]
+    # A replacement spare is checked against a healthy peer (a spare first, else a member without a job).
+    client.inject_fault("workers-0", "kill-node")
+    new = wait_for(lambda: [e for e in client.events(node="workers-3") if e.get("to_state") == "healthy"], 90,
+                   "the refilled spare to pass its deep check")
+    reason = new[0]["reason"]
+    assert "deep health check: bus bandwidth" in reason and "across workers-1, workers-3" in reason, reason
+    bw = float(reason.split("bus bandwidth ")[1].split()[0])
+    assert bw >= 0.05
+
+    # The same check with a threshold no link reaches: creation fails and names the figure and the setting.
+    slow = write_spec(tmp_path, name="c2", spares=0, health={**deep, "deep_check_min_busbw_gbps": 1e6})
+    with pytest.raises(CreateFailed) as err:
+        create_cluster(slow, timeout_s=120)
+    flat = " ".join(str(err.value).split())
+    assert "deep health check: bus bandwidth" in flat and "below deep_check_min_busbw_gbps=1e+06" in flat, flat

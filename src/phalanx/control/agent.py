@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from phalanx.control import health
+from phalanx.control.deep_check import DeepCheckRunner
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.workers import WorkerSupervisor
 
@@ -68,6 +69,7 @@ class Agent:
         self.exit_reason = ""
         self._lifecycle_proc: subprocess.Popen | None = None
         self._gpus = health.GpuMonitor(int(cfg["gpus"]), cfg["instance_type"])
+        self.deep = DeepCheckRunner(self.work_dir)
         self.wake = threading.Event()  # heartbeat now (a worker exited, or the agent is stopping)
         self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set)
         self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)
@@ -146,8 +148,6 @@ class Agent:
             health.check_workers(self.workers.exit_codes()),
             *self._gpus.check(),
         ]
-        if first and self.cfg.get("deep_health_check"):
-            checks.append(health.deep_check_not_run())
         with self.lock:
             checks += [health.injected_failure(kind) for kind in self.injected]
         result = health.report(checks)
@@ -167,13 +167,15 @@ class Agent:
     def heartbeat_body(self) -> dict:
         with self.lock:
             return {"pid": os.getpid(), "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
-                    "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at}
+                    "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at,
+                    "deep_check": self.deep.result()}
 
     def handle_reply(self, reply: dict, body: dict) -> None:
         gap = self.relay_gap or reply.get("controller") != self.controller_id
         self.relay_gap, self.controller_id = False, reply.get("controller")
         if reply.get("action") != "terminate":
             self.workers.apply(reply.get("workers", []), relay_gap=gap)
+            self.deep.apply(reply.get("deep_check"))
         self.workers.acknowledged(body["workers"])
         self.reply_sent_at = reply.get("sent_at")
         for fault in reply.get("faults", []):
@@ -236,6 +238,7 @@ class Agent:
         self.stop.set()
         self.wake_checks.set()
         self.workers.stop_all()
+        self.deep.stop()
         proc = self._lifecycle_proc
         if proc is not None and proc.poll() is None:
             proc.kill()

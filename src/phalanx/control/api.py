@@ -69,6 +69,7 @@ class Heartbeat(BaseModel):
     sent_at: float
     workers: list[WorkerReport] = []
     reply_sent_at: float | None = None  # the last reply the agent acted on
+    deep_check: dict | None = None  # the result of the newest deep-check round the node took part in
 
 
 class FaultRequest(BaseModel):
@@ -185,7 +186,7 @@ def build_app(ctl) -> FastAPI:
         if node.pid is not None and hb.pid != node.pid:
             raise HTTPException(410, f"node {name} is run by agent pid {node.pid}, not {hb.pid}")
         store.update_node(name, last_heartbeat=time.time(), pid=hb.pid, health=hb.health,
-                          report={"phase": hb.phase, "lifecycle": hb.lifecycle})
+                          report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check})
         ctl.jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)
         status = store.cluster()["status"]
         sent_at, workers = ctl.jobs.assignments(store.node(name))
@@ -195,7 +196,7 @@ def build_app(ctl) -> FastAPI:
         if status in (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
             return {**reply, "action": "terminate", "reason": f"cluster is {status}"}
         return {**reply, "action": "run", "state": node.state.value, "faults": store.take_directives(name),
-                "workers": workers}
+                "workers": workers, "deep_check": ctl.deep_checks.assignment(node)}
 
     @app.post("/v1/nodes/{name}/faults", status_code=202)
     def inject_fault(name: str, req: FaultRequest) -> dict:

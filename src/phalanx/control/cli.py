@@ -65,9 +65,6 @@ def create(
     # CreateFailed (a ClusterError) → exit 1 with the failed node, its reason and the script's output tail
     info = _guard(lambda: create_cluster(file, timeout_s=timeout, on_status=show))
     _print_describe(info)
-    if info["health"]["deep_health_check"]:
-        err.print("note: deep_health_check is set but the deep check is NOT implemented yet; nodes report it "
-                  "as skipped")
 
 
 @cluster_app.command("describe")

@@ -37,6 +37,7 @@ import uvicorn
 from phalanx.control import seam
 from phalanx.control.api import build_app
 from phalanx.control.backend import LocalBackend, process_running
+from phalanx.control.deep_check import DeepCheckCoordinator
 from phalanx.control.paths import ClusterPaths
 from phalanx.control.reconciler import TERMINATE_GRACE_S, Reconciler
 from phalanx.control.scheduler import JobScheduler
@@ -93,6 +94,7 @@ class Controller:
         self.server: uvicorn.Server | None = None
         self.rendezvous = None  # the TCPStore, once started
         self.jobs: JobScheduler | None = None
+        self.deep_checks = DeepCheckCoordinator(self.spec, self.backend)
         self.started_at: float | None = None
         self._exit = threading.Event()
         self._stop_nodes_reason: str | None = None
@@ -148,7 +150,7 @@ class Controller:
             controller_id=started_at,
         )
         reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit,
-                                jobs=self.jobs)
+                                jobs=self.jobs, deep_checks=self.deep_checks)
         self.server = uvicorn.Server(uvicorn.Config(build_app(self), log_level="warning", access_log=False,
                                                     lifespan="off"))
         loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)

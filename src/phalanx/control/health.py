@@ -6,8 +6,8 @@
 - gpu:      via NVML when `pynvml` is importable: device count vs the instance type, uncorrected ECC
             errors, and XID events, mapped to an action the way HyperPod maps them (replace the node, or
             only restart the job). Skipped with a reason when the instance type expects no GPUs.
-- deep:     reported as *not run* (status "skipped"): the timed all_reduce across a new node and healthy
-            peers is not implemented yet.
+- deep:     not here: a timed all_reduce across nodes needs the controller to pair them
+            (`deep_check.py`); its verdict is the node's transition to healthy or faulty.
 
 A failed check carries an `action`: "replace-node" (the node goes faulty) or "restart-job" (the node
 stays; its job restarts). Imports nothing heavy: agents must start in a fraction of a second. Knows
@@ -158,11 +158,6 @@ class GpuMonitor:
         if xids:
             return Check("gpu.xid", "fail", f"XID {sorted(set(xids))}: application-level fault", RESTART_JOB)
         return Check("gpu.xid", "pass", self._xid_note)
-
-
-def deep_check_not_run() -> Check:
-    return Check("deep", "skipped", "deep health check requested but NOT run: the timed cross-node all_reduce "
-                                    "is not implemented yet")
 
 
 def injected_failure(kind: str) -> Check:

@@ -38,10 +38,11 @@ MAX_PROVISION_FAILURES = 3
 
 class Reconciler:
     def __init__(self, store: Store, backend, *, started_at: float, request_exit: Callable[[str], None],
-                 jobs=None):
+                 jobs=None, deep_checks=None):
         self.store = store
         self.backend = backend
         self.jobs = jobs  # the JobScheduler, or None (no jobs)
+        self.deep = deep_checks  # the DeepCheckCoordinator (used when the spec asks for the deep check)
         self.spec = store.spec()
         self.started_at = started_at
         self.request_exit = request_exit  # stop every node and exit the controller, with a reason
@@ -55,6 +56,8 @@ class Reconciler:
         for node in self.store.nodes(include_terminated=False):
             if node.state not in (S.FAULTY, S.REPLACING):  # already judged; recover/retire take them on
                 self.observe(node, now)
+        if self.deep is not None and self.deep.enabled:
+            self.judge_deep_checks(now)
         if status == ClusterStatus.CREATING:
             if not self.check_creation():
                 return
@@ -100,12 +103,28 @@ class Reconciler:
         if state == S.HEALTH_CHECKING and report.get("phase") == "ready" and health:
             if not health["ok"]:
                 return self.fault(node, f"health check failed during bring-up: {summarize_failure(health)}")
-            passed = ", ".join(f"{c['name']} {c['status']}" for c in health["checks"])
-            self.store.transition(node.name, S.HEALTHY, f"health checks: {passed}")
-            self._reset_failures(node.group)
-            log.info("node %s healthy (%s)", node.name, "spare" if node.is_spare else "member")
+            if self.deep is not None and self.deep.enabled:
+                self.deep.ready(node.name)  # healthy only once its deep check passes (judge_deep_checks)
+                return
+            self.become_healthy(node, "")
         elif state == S.HEALTHY and health and not health["ok"]:
             self.fault(node, f"health check failed: {summarize_failure(health)}")
+
+    def become_healthy(self, node: Node, extra: str) -> None:
+        passed = ", ".join(f"{c['name']} {c['status']}" for c in node.health["checks"])
+        self.store.transition(node.name, S.HEALTHY, f"health checks: {passed}{extra}")
+        self._reset_failures(node.group)
+        log.info("node %s healthy (%s)%s", node.name, "spare" if node.is_spare else "member", extra)
+
+    def judge_deep_checks(self, now: float) -> None:
+        for name, passed, detail in self.deep.tick(now, self.store.nodes(include_terminated=False)):
+            node = self.store.node(name)
+            if node is None or node.state != S.HEALTH_CHECKING:
+                continue  # judged otherwise meanwhile (its agent died, a basic check failed)
+            if passed:
+                self.become_healthy(node, f"; {detail}")
+            else:
+                self.fault(node, detail)
 
     def fault(self, node: Node, reason: str) -> None:
         self.store.transition(node.name, S.FAULTY, reason)

@@ -95,7 +95,13 @@ class HealthSpec(_Strict):
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60)
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="no heartbeat this long → node faulty")
     hang_timeout_s: float = Field(300.0, gt=0, description="no training progress this long → worker killed")
-    deep_health_check: bool = Field(False, description="run the deep check while a node is provisioned")
+    deep_health_check: bool = Field(False, description="run the deep check (a timed all_reduce with a healthy "
+                                                       "peer) while a node is provisioned")
+    deep_check_min_busbw_gbps: float = Field(0.05, ge=0, description="deep check: fail a node whose all_reduce "
+                                                                     "bus bandwidth is below this (GB/s)")
+    deep_check_size_mb: float = Field(8.0, gt=0, le=4096, description="deep check: all_reduce size (MiB)")
+    deep_check_iters: int = Field(5, ge=1, le=1000, description="deep check: timed all_reduce iterations")
+    deep_check_timeout_s: float = Field(60.0, gt=0, description="deep check: a round must finish within this")
     check_interval_s: float = Field(5.0, gt=0, description="how often agents re-run their health checks")
     min_free_disk_mb: int = Field(512, ge=0, description="free space required in a node's work dir")
     min_free_memory_mb: int = Field(256, ge=0, description="available memory required on the host")
