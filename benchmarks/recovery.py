@@ -1,0 +1,264 @@
+"""What one node failure costs a training job: Phalanx's restart-from-checkpoint recovery, with torchrun's
+`--max-restarts` on the same job as the baseline, run side by side (interleaved A B A B).
+
+The job: the tiny Llama preset (fp32, vocab 512, 64-token blocks of the bundled demo corpus), 4 ranks,
+global batch 8, micro batch 2, a checkpoint every `--interval` steps (default 50, synchronous), `--steps`
+steps in all (default 100). At `--fail-step` (default 75: 25 steps after the last checkpoint) one rank is
+SIGKILLed the moment rank 0 logs that step:
+
+  phalanx   a local cluster of 4 `local.cpu-1` nodes + 1 spare (created once; the pool is refilled between
+            runs); the job is submitted with auto-resume; the kill is `phalanx fault inject --kind kill-node`
+            on rank 1's node (SIGKILL to the node's agent and its worker). The controller marks the node
+            faulty, stops the other ranks, promotes the spare and starts a new generation, which resumes
+            from the newest checkpoint.
+  torchrun  `torchrun --standalone --nproc-per-node 4 --max-restarts 1 --monitor-interval 0.1 -m
+            phalanx.train.worker` (the same worker and config); rank 1's process is SIGKILLed; torchrun's
+            agent stops the group and restarts all 4 workers, which resume from the same checkpoint.
+
+Figures per run (see `phalanx.train.timeline`; times from the kill, taken just before it is sent):
+  detect_s       kill → the controller marked the node faulty (phalanx only; torchrun logs no such event)
+  restart_s      kill → the new generation started on the spare (phalanx only)
+  first_step_s   kill → the first training step logged after the restart
+  steps_lost     committed steps computed again (last step before the kill − the checkpoint resumed from)
+  downtime_s     wall time lost vs a failure-free run: from the last step before the kill until training got
+                 past it again, minus one normal step (median step time before the kill)
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
+
+from phalanx.train.timeline import recovery_figures  # noqa: E402
+
+NODES = 4
+FIGURES = ("detect_s", "restart_s", "first_step_s", "steps_lost", "downtime_s")
+
+
+def job_tree(run_dir: Path, data: Path, steps: int, interval: int) -> dict:
+    return {
+        "run_dir": str(run_dir), "seed": 7, "precision": "fp32",
+        "model": {"preset": "tiny", "overrides": {"vocab_size": 512}},
+        "data": {"path": str(data)},
+        "training": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": steps, "log_interval": 25},
+        "optimizer": {"lr": 1e-3},
+        "lr_schedule": {"warmup_steps": 10},
+        "checkpoint": {"interval": interval, "keep": 2, "async": False},
+    }
+
+
+def wait_for_step(metrics: Path, step: int, proc_alive, timeout_s: float = 600) -> None:
+    """Poll rank 0's metrics file until it logs `step` (every 10 ms: the kill lands within a step)."""
+    deadline, offset, last = time.monotonic() + timeout_s, 0, 0
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            with open(metrics) as f:
+                f.seek(offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            offset += len(complete.encode())
+            for line in complete.splitlines():
+                record = json.loads(line)
+                if "event" not in record:
+                    last = record["step"]
+            if last >= step:
+                return
+        if not proc_alive():
+            raise RuntimeError(f"the job ended before step {step} (last step {last})")
+        time.sleep(0.01)
+    raise TimeoutError(f"step {step} not reached in {timeout_s:g} s (last step {last})")
+
+
+# ---- phalanx: a local cluster, kill-node, auto-resume --------------------------------------------------
+class PhalanxHarness:
+    name = "phalanx"
+
+    def __init__(self, root: Path):
+        from phalanx.control.cluster import ClusterClient, create_cluster
+        from phalanx.control.jobs import JobClient
+
+        os.environ["PHALANX_HOME"] = str(root / "home")
+        spec = root / "cluster.yaml"
+        spec.write_text(json.dumps({
+            "name": "bench", "backend": "local", "node_recovery": "automatic",
+            "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": NODES, "spares": 1}],
+            "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 120.0}}))
+        create_cluster(spec, timeout_s=120)
+        self.client, self.jobs = ClusterClient("bench"), JobClient("bench")
+
+    def spare_ready(self) -> bool:
+        return any(n["is_spare"] and n["state"] == "healthy" for n in self.client.nodes())
+
+    def run(self, tree: dict, fail_step: int) -> dict:
+        from phalanx.train.config import config_from_dict
+
+        deadline = time.monotonic() + 120
+        while not self.spare_ready():  # the previous run's replacement refills the pool
+            if time.monotonic() > deadline:
+                raise TimeoutError("the spare pool was not refilled within 120 s")
+            time.sleep(0.2)
+        run_dir = Path(tree["run_dir"])
+        job = self.jobs.submit(config_from_dict(tree), nodes=NODES, auto_resume=True, name=run_dir.name)
+        wait_for_step(run_dir / "metrics.jsonl", fail_step,
+                      lambda: self.jobs.describe(job["id"])["state"] in ("pending", "running"))
+        victim = self.jobs.describe(job["id"])["generations"][-1]["nodes"][1]
+        killed_at = time.time()
+        self.client.inject_fault(victim, "kill-node")
+        info = self.jobs.wait(job["id"], timeout_s=600)
+        if info["state"] != "succeeded" or len(info["generations"]) != 2:
+            raise RuntimeError(f"job {job['id']}: {info['state']} after {len(info['generations'])} generations: "
+                               f"{info['reason']}")
+        faulty = [e["time"] for e in self.client.events(node=victim) if e.get("to_state") == "faulty"]
+        figures = recovery_figures(run_dir / "metrics.jsonl", killed_at)
+        return {"detect_s": faulty[0] - killed_at, "restart_s": info["generations"][1]["started_at"] - killed_at,
+                "first_step_s": figures.first_step_after_s, "steps_lost": figures.steps_lost,
+                "downtime_s": figures.downtime_s, "normal_step_s": figures.normal_step_s,
+                "last_step": figures.last_step, "resumed_step": figures.resumed_step, "victim": victim}
+
+    def close(self) -> None:
+        from phalanx.control.cluster import delete_cluster
+
+        delete_cluster("bench", timeout_s=30)
+
+
+# ---- torchrun: --max-restarts, the same worker and config ---------------------------------------------
+def worker_pid(parent: int, rank: int) -> int | None:
+    """The pid of the phalanx worker of `rank` that torchrun's agent (`parent`) started (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and "phalanx.train.worker" in cmd and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+class TorchrunHarness:
+    name = "torchrun"
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def run(self, tree: dict, fail_step: int) -> dict:
+        from phalanx.train.config import config_from_dict, dump_config
+
+        run_dir = Path(tree["run_dir"])
+        run_dir.mkdir(parents=True)
+        config_path = run_dir / "config.json"
+        config_path.write_text(json.dumps(dump_config(config_from_dict(tree))))
+        env = cpu_env()
+        env["PHALANX_CONFIG"] = str(config_path)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NODES),
+                "--max-restarts", "1", "--monitor-interval", "0.1", "-m", "phalanx.train.worker"]
+        with open(run_dir / "torchrun.log", "w") as log:
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                wait_for_step(run_dir / "metrics.jsonl", fail_step, lambda: proc.poll() is None)
+                pid = worker_pid(proc.pid, 1)
+                if pid is None:
+                    raise RuntimeError("rank 1's worker process not found")
+                killed_at = time.time()
+                os.kill(pid, signal.SIGKILL)
+                code = proc.wait(timeout=600)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        if code != 0:
+            raise RuntimeError(f"torchrun exited with {code}; see {run_dir / 'torchrun.log'}")
+        figures = recovery_figures(run_dir / "metrics.jsonl", killed_at)
+        return {"first_step_s": figures.first_step_after_s, "steps_lost": figures.steps_lost,
+                "downtime_s": figures.downtime_s, "normal_step_s": figures.normal_step_s,
+                "last_step": figures.last_step, "resumed_step": figures.resumed_step}
+
+    def close(self) -> None:
+        pass
+
+
+def prepare_data(root: Path) -> Path:
+    from phalanx.data import prepare, write_demo_corpus
+
+    corpus = write_demo_corpus(root / "corpus.jsonl")
+    prepare([corpus], root / "tokens", block_size=64, vocab_size=512, val_percent=0.0, progress=False)
+    return root / "tokens"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="runs per harness (interleaved)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--interval", type=int, default=50, help="checkpoint interval (steps)")
+    parser.add_argument("--fail-step", type=int, default=75, help="kill one rank when rank 0 logs this step")
+    parser.add_argument("--harness", default="phalanx,torchrun", help="comma-separated: phalanx, torchrun")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "recovery.json")
+    args = parser.parse_args()
+    os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+
+    root = Path(tempfile.mkdtemp(prefix="phalanx-recovery-"))
+    data = prepare_data(root)
+    kinds = {"phalanx": PhalanxHarness, "torchrun": TorchrunHarness}
+    harnesses = [kinds[name](root) for name in args.harness.split(",")]
+    samples: dict[str, list[dict]] = {h.name: [] for h in harnesses}
+    try:
+        for i in range(args.runs):
+            for h in harnesses:
+                tree = job_tree(root / f"{h.name}-{i}", data, args.steps, args.interval)
+                sample = h.run(tree, args.fail_step)
+                samples[h.name].append(sample)
+                print(f"run {i + 1}/{args.runs} {h.name:>8}: " + "  ".join(
+                    f"{k} {sample[k]:.2f}" if isinstance(sample[k], float) else f"{k} {sample[k]}"
+                    for k in (*FIGURES, "normal_step_s") if k in sample), flush=True)
+    finally:
+        for h in harnesses:
+            h.close()
+
+    medians = {name: {k: median([s[k] for s in runs]) for k in (*FIGURES, "normal_step_s") if k in runs[0]}
+               for name, runs in samples.items() if runs}
+    print(f"\nmedians of {args.runs} runs (s; steps_lost in steps):")
+    print(f"{'':>10} " + " ".join(f"{k:>13}" for k in (*FIGURES, "normal_step_s")))
+    for name, m in medians.items():
+        print(f"{name:>10} " + " ".join(f"{m[k]:>13.3f}" if k in m else f"{'-':>13}" for k in (*FIGURES, "normal_step_s")))
+
+    summary = {}
+    if "phalanx" in medians:
+        m = medians["phalanx"]
+        summary.update(detect_s=m["detect_s"], restart_downtime_s=m["downtime_s"],
+                       restart_steps_lost=m["steps_lost"], restart_first_step_s=m["first_step_s"],
+                       restart_spare_in_service_s=m["restart_s"])
+    if "torchrun" in medians:
+        m = medians["torchrun"]
+        summary.update(torchrun_downtime_s=m["downtime_s"], torchrun_steps_lost=m["steps_lost"],
+                       torchrun_first_step_s=m["first_step_s"])
+    if "phalanx" in medians and "torchrun" in medians:
+        summary["restart_downtime_ratio_vs_torchrun"] = medians["phalanx"]["downtime_s"] / medians["torchrun"]["downtime_s"]
+    path = write_results(args.out, {
+        "benchmark": "recovery",
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py " + " ".join(sys.argv[1:]),
+        "config": {"nodes": NODES, "steps": args.steps, "checkpoint_interval": args.interval,
+                   "fail_step": args.fail_step, "job": job_tree(Path("<run_dir>"), Path("<data>"), args.steps,
+                                                                args.interval)},
+        "samples": samples, "medians": medians,
+        "summary": {k: round(v, 4) for k, v in summary.items()},
+    })
+    print(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
