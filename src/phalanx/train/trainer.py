@@ -90,7 +90,14 @@ class Progress:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, device: torch.device):
+    """One worker's training state and loop on the current process group.
+
+    `init_weights=False` allocates the local shards without initialising them: for a process whose state
+    is about to be restored from a peer's memory (checkpointless recovery); `initialize_weights()` runs
+    the deterministic init later if it is needed after all.
+    """
+
+    def __init__(self, config: TrainConfig, device: torch.device, *, init_weights: bool = True):
         self.config = config
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -110,9 +117,18 @@ class Trainer:
             dp_size=self.dims.dp_size,
         )
         self.model = self._build_model()
+        if init_weights:
+            self.initialize_weights()
+        else:
+            self.model.to_empty(device=device)
+            self.model.reset_buffers()
         self.optimizer = build_optimizer(self.model, config)
+        # The sharded parameters by name, captured while the model is sharded (FSDP swaps in unsharded
+        # tensors during forward/backward; the optimizer keeps these same objects): what a peer restores.
+        self.sharded_params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.scheduler = build_scheduler(self.optimizer, config)
         self.progress = Progress()
+        self._saved_step: int | None = None
         self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps)
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir,
@@ -133,15 +149,22 @@ class Trainer:
             precision=self.config.precision,
             reshard_after_forward=self.config.reshard_after_forward,
         )
+        return model
+
+    def initialize_weights(self) -> None:
+        """Fill this rank's shards: from the Hugging Face checkpoint in `model.hf_path`, else the seeded init."""
         if self.config.model.hf_path is not None:
             from phalanx.models.hf import HFCheckpoint
 
             hf = HFCheckpoint(self.config.model.hf_path)
             source = lambda name, shape, a, b, dtype: hf.read_rows(name, a, b, dtype)  # noqa: E731
         else:
-            source = random_init_source(model, self.config.seed)
-        self.local_numel = materialize(model, self.device, source)
-        return model
+            source = random_init_source(self.model, self.config.seed)
+        materialize(self.model, self.device, source)
+
+    @property
+    def local_numel(self) -> int:
+        return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.sharded_params.values())
 
     # ---- checkpoint state -----------------------------------------------------------------------
     def _state(self) -> dict:
@@ -224,6 +247,10 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # The update is applied: from here on, this rank's state *is* the next step's (a fault in the loss
+        # reduction below must not leave parameters and counters disagreeing).
+        self.progress.step += 1
+        self.progress.samples_consumed += cfg.training.global_batch_size
 
         # Mean loss over the global batch (every data-parallel rank contributes equally).
         loss_mean = loss_sum / self.accum
@@ -233,8 +260,6 @@ class Trainer:
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
 
-        self.progress.step += 1
-        self.progress.samples_consumed += cfg.training.global_batch_size
         tokens_per_step = cfg.training.global_batch_size * self.dataset.meta.block_size
         return {
             "step": self.progress.step,
@@ -246,13 +271,11 @@ class Trainer:
             "samples_consumed": self.progress.samples_consumed,
         }
 
-    def fit(self) -> Progress:
-        """Train to `training.max_steps`, checkpointing every `checkpoint.interval` steps and at the end."""
-        cfg = self.config
+    def start(self) -> None:
+        """Resume from the newest valid checkpoint, or record a fresh start."""
         if self.maybe_resume():
-            saved_step = self.progress.step
+            self._saved_step = self.progress.step
         else:
-            saved_step = None
             self.metrics.event(
                 "started",
                 world_size=self.world_size,
@@ -261,19 +284,36 @@ class Trainer:
                 model_params=self.model_config.num_params(),
                 local_params=self.local_numel,
             )
-        interval, max_steps = cfg.checkpoint.interval, cfg.training.max_steps
+
+    @property
+    def done(self) -> bool:
+        return self.progress.step >= self.config.training.max_steps
+
+    def advance(self) -> dict:
+        """One step, logged, and checkpointed every `checkpoint.interval` steps and at the last one."""
+        cfg = self.config
+        record = self.train_step()
+        step, interval, max_steps = record["step"], cfg.checkpoint.interval, cfg.training.max_steps
+        self.metrics.step(record, print_line=step % cfg.training.log_interval == 0 or step == max_steps)
+        if (interval and step % interval == 0) or step == max_steps:
+            self.save_checkpoint()
+            self._saved_step = step
+        return record
+
+    def finish(self) -> None:
+        """Save the final state if not saved yet, wait for saves in flight, record the end."""
+        if self._saved_step != self.progress.step:
+            self.save_checkpoint()
+        self.checkpoints.close()
+        self.metrics.event("finished", step=self.progress.step, samples_consumed=self.progress.samples_consumed)
+
+    def fit(self) -> Progress:
+        """Train to `training.max_steps`, checkpointing every `checkpoint.interval` steps and at the end."""
         try:
-            while self.progress.step < max_steps:
-                record = self.train_step()
-                step = record["step"]
-                self.metrics.step(record, print_line=step % cfg.training.log_interval == 0 or step == max_steps)
-                if (interval and step % interval == 0) or step == max_steps:
-                    self.save_checkpoint()
-                    saved_step = step
-            if saved_step != self.progress.step:
-                self.save_checkpoint()
-            self.checkpoints.close()
-            self.metrics.event("finished", step=self.progress.step, samples_consumed=self.progress.samples_consumed)
+            self.start()
+            while not self.done:
+                self.advance()
+            self.finish()
         finally:
             self.metrics.close()
         return self.progress
