@@ -12,6 +12,8 @@ An agent starts each worker with the usual torch variables plus Phalanx's own:
     PHALANX_CLUSTER_TOKEN                            the cluster token (to talk to the controller)
     PHALANX_CONFIG                                   training jobs: the resolved config (JSON) that
                                                      `python -m phalanx.train.worker` runs
+    PHALANX_NODE                                     the node this worker runs on
+    PHALANX_RECOVERY                                 restart | checkpointless (the job's recovery mode)
 
 Workers talk back only through keys in the controller's TCPStore, all under the generation's prefix
 `{job}/gen{g}/` (the prefix a worker would pass to `PrefixStore`), so a new generation never sees an old
@@ -26,6 +28,24 @@ one's keys:
 The controller reads both and relays them to the agents' hang detectors, which tell a frozen worker (no
 progress, no beat: the culprit) from one waiting on it (no progress, beat going); `job describe` shows the
 step.
+
+Checkpointless jobs (`PHALANX_RECOVERY=checkpointless`) keep their processes across generations, so they
+also need to learn of a new generation without being restarted, and to rendezvous on a store that outlives
+every worker. The controller publishes, for each generation it starts:
+
+    {job}/gen{g}/layout            JSON {"nodes": [...], "workers_per_node": k, "world_size": n}: a worker
+                                   finds its rank from its node and local rank (a survivor keeps its node)
+    {job}/generation               the newest generation (ASCII integer), set after its layout
+    {job}/gen{g}/pg/...            the generation's process groups rendezvous under this prefix
+    {job}/gen{g}/joined            a counter of the ranks that arrived (so nobody blocks in init_process_group
+                                   on a rank that will never come; a newer generation interrupts the wait)
+    {job}/gen{g}/recovered         JSON written by the new rank 0 once state is restored: source, step,
+                                   bytes, seconds — the controller turns it into an event
+
+Warm standby: a spare node's agent pre-starts `python -m phalanx.train.worker --standby` (torch imported,
+waiting). It watches `standby/{node}/{local_rank}`; the controller writes there the seam env of the rank it
+must become (and the log file), at the same moment it starts the generation, so the standby starts
+without waiting for its agent's next heartbeat. The agent adopts the process as that rank's worker.
 
 Worker side: `progress_reporter()` returns a `ProgressReporter` when the worker runs under an agent. It
 publishes from a background thread (a training step never waits on the store) and outlives a store outage
@@ -57,6 +77,9 @@ STORE_ADDR = "PHALANX_STORE_ADDR"
 CHECKPOINT_DIR = "PHALANX_CHECKPOINT_DIR"
 CLUSTER_TOKEN = "PHALANX_CLUSTER_TOKEN"
 CONFIG = "PHALANX_CONFIG"
+NODE = "PHALANX_NODE"
+RECOVERY = "PHALANX_RECOVERY"
+CHECKPOINTLESS = "checkpointless"
 TRAIN_WORKER_MODULE = "phalanx.train.worker"  # what a training job's agents run (`python -m`)
 BEAT_S = 0.5  # how often a worker's reporter bumps its liveness counter
 log = logging.getLogger("phalanx.seam")
@@ -78,6 +101,8 @@ class WorkerPlacement:
     checkpoint_dir: str
     cluster_token: str
     config_path: str | None = None  # training jobs only
+    node: str = ""
+    recovery: str = "restart"
 
 
 def worker_env(p: WorkerPlacement, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -87,7 +112,7 @@ def worker_env(p: WorkerPlacement, base: Mapping[str, str] | None = None) -> dic
         RANK: str(p.rank), WORLD_SIZE: str(p.world_size), LOCAL_RANK: str(p.local_rank),
         LOCAL_WORLD_SIZE: str(p.local_world_size), MASTER_ADDR: p.master_addr, MASTER_PORT: str(p.master_port),
         JOB_ID: p.job_id, GENERATION: str(p.generation), STORE_ADDR: p.store_addr,
-        CHECKPOINT_DIR: p.checkpoint_dir, CLUSTER_TOKEN: p.cluster_token,
+        CHECKPOINT_DIR: p.checkpoint_dir, CLUSTER_TOKEN: p.cluster_token, NODE: p.node, RECOVERY: p.recovery,
     })
     if p.config_path is not None:
         env[CONFIG] = p.config_path
@@ -107,6 +132,44 @@ def progress_key(job_id: str, generation: int, rank: int) -> str:
 def alive_key(job_id: str, generation: int, rank: int) -> str:
     """Store key of the liveness counter rank `rank` bumps every BEAT_S (an ASCII integer)."""
     return f"{generation_prefix(job_id, generation)}/alive/{rank}"
+
+
+def generation_key(job_id: str) -> str:
+    """Store key holding the newest generation of a job (checkpointless jobs watch it)."""
+    return f"{job_id}/generation"
+
+
+def layout_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/layout"
+
+
+def pg_prefix(job_id: str, generation: int) -> str:
+    """The PrefixStore prefix a checkpointless generation's process groups rendezvous under."""
+    return f"{generation_prefix(job_id, generation)}/pg"
+
+
+def joined_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/joined"
+
+
+def recovered_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/recovered"
+
+
+def standby_key(node: str, local_rank: int) -> str:
+    """Where a warm standby worker on `node` waits for the env of the rank it must become."""
+    return f"standby/{node}/{local_rank}"
+
+
+def publish_generation(store, job_id: str, generation: int, nodes: list[str], workers_per_node: int) -> None:
+    """Controller side: the layout first, then the generation number (a watcher that sees the number can
+    read the layout)."""
+    import json
+
+    layout = {"nodes": list(nodes), "workers_per_node": workers_per_node,
+              "world_size": len(nodes) * workers_per_node}
+    store.set(layout_key(job_id, generation), json.dumps(layout))
+    store.set(generation_key(job_id), str(generation))
 
 
 def parse_store_addr(addr: str) -> tuple[str, int]:
@@ -138,8 +201,10 @@ class ProgressReporter:
     def __init__(self, store_addr: str, job_id: str, generation: int, rank: int, *, beat_s: float = BEAT_S,
                  retry_s: float = 1.0, timeout_s: float = 2.0):
         self.host, self.port = parse_store_addr(store_addr)
+        self.job_id = job_id
         self.step_key = progress_key(job_id, generation, rank)
         self.beat_key = alive_key(job_id, generation, rank)
+        self._keys_version = 0
         self.beat_s = beat_s
         self.retry_s = retry_s
         self.timeout = timedelta(seconds=timeout_s)
@@ -154,6 +219,14 @@ class ProgressReporter:
             self._closed = True
             self._cond.notify()
 
+    def switch(self, generation: int, rank: int) -> None:
+        """A checkpointless worker moved into a new generation (perhaps as another rank): publish there."""
+        with self._cond:
+            self.step_key = progress_key(self.job_id, generation, rank)
+            self.beat_key = alive_key(self.job_id, generation, rank)
+            self._keys_version += 1
+            self._cond.notify()
+
     def report(self, step: int) -> None:
         with self._cond:
             if step != self._step:
@@ -166,24 +239,26 @@ class ProgressReporter:
         return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=self.timeout)
 
     def _publish_loop(self) -> None:
-        store, published, failing, beat, next_beat = None, None, False, 0, 0.0
+        store, published, failing, beat, next_beat, version = None, None, False, 0, 0.0, 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._step != published or self._closed,
+                self._cond.wait_for(lambda: self._step != published or self._closed or self._keys_version != version,
                                     timeout=max(0.0, next_beat - time.monotonic()))
                 if self._closed:
                     return
-                step = self._step
+                if self._keys_version != version:  # new keys: publish everything there at once
+                    version, published, next_beat = self._keys_version, None, 0.0
+                step, step_key, beat_key = self._step, self.step_key, self.beat_key
             try:
                 if store is None:
                     store = self._connect()
                 if time.monotonic() >= next_beat:
                     beat += 1
-                    store.set(self.beat_key, str(beat))
+                    store.set(beat_key, str(beat))
                     next_beat = time.monotonic() + self.beat_s
-                if step != published:
-                    store.set(self.step_key, str(step))
-                store.check([self.beat_key])  # a set() into a dead connection may not fail; this round trip does
+                if step != published and step is not None:
+                    store.set(step_key, str(step))
+                store.check([beat_key])  # a set() into a dead connection may not fail; this round trip does
             except (RuntimeError, OSError) as err:  # torch's DistStoreError/DistNetworkError are RuntimeErrors
                 if not failing:
                     log.warning("progress store %s:%d unreachable (%s); training continues, next: reconnecting "

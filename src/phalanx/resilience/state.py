@@ -1,0 +1,211 @@
+"""One rank's training state as one self-describing block of host memory: what a peer restores from.
+
+`ShardState.capture(trainer)` copies this rank's shard of every parameter and optimizer-state tensor into
+one flat byte buffer (host memory) with a table of contents — key, dtype, shape, offset, and a CRC32 per
+tensor — plus the step, samples consumed, LR-scheduler counters and RNG state. `apply(trainer)` writes it
+into a trainer built on the same shard layout. `exchange()` moves states between ranks over a process
+group (point-to-point, every transfer of a round posted at once), and the receiver verifies every
+tensor's checksum before anything is used.
+
+`coord` says which shard a state is: this rank's position along every mesh dimension that shards the
+model (replicas along "dp_replicate" hold the same shard, so it is left out); `signature` is the layout
+(those dimensions and their sizes). A state is only applied where coord and signature match, so a new
+generation with a different number of replicas can still be served, and a resharded one cannot be
+served wrongly.
+
+Knows nothing about the controller, generations or the training loop.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch < 2.5 layout
+    from torch.distributed._tensor import DTensor
+
+REPLICA_DIM = "dp_replicate"
+_ALIGN = 64  # bytes: every tensor starts aligned, so a slice of the buffer can be viewed as its dtype
+
+
+class IntegrityError(RuntimeError):
+    """A received state does not match its checksums or does not fit the receiving trainer."""
+
+
+def shard_layout(mesh) -> tuple[tuple, tuple]:
+    """(coord, signature) of this rank on `mesh`: its index along each sharding dimension, and their sizes."""
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    coord = tuple((n, mesh.get_local_rank(i)) for i, n in enumerate(names) if n != REPLICA_DIM)
+    signature = tuple((n, mesh.size(i)) for i, n in enumerate(names) if n != REPLICA_DIM)
+    return coord, signature
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+@dataclass
+class Entry:
+    key: str  # "param/<name>" or "optim/<name>/<state key>"
+    dtype: str
+    shape: tuple
+    offset: int
+    nbytes: int
+    crc: int | None = None
+
+
+@dataclass
+class ShardState:
+    coord: tuple
+    signature: tuple
+    step: int
+    samples_consumed: int
+    extra: dict  # {"scheduler": counters, "param_groups": hyperparameters (lr...), "rng": this rank's RNG}
+    entries: list[Entry]
+    data: torch.Tensor  # uint8, host memory
+    taken_at: float = field(default_factory=time.time)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    # ---- capture and apply ------------------------------------------------------------------------
+    @classmethod
+    def capture(cls, trainer) -> "ShardState":
+        """Copy `trainer`'s local state (valid at any step boundary, and after a fault mid-step: the sharded
+        tensors are only written by the optimizer step, which completes or never starts)."""
+        from phalanx.train.checkpoint import rng_state
+
+        tensors = []
+        for name, p in trainer.sharded_params.items():
+            tensors.append((f"param/{name}", _local(p).detach()))
+            for key, value in sorted(trainer.optimizer.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append((f"optim/{name}/{key}", _local(value).detach()))
+        entries, offset = [], 0
+        for key, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            entries.append(Entry(key, str(t.dtype), tuple(t.shape), offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        data = torch.empty(offset, dtype=torch.uint8)
+        for e, (_, t) in zip(entries, tensors):
+            _view(data, e).copy_(t)  # device → host where the model lives on a GPU
+        sched = trainer.scheduler.state_dict()
+        sched.pop("lr_lambdas", None)
+        coord, signature = shard_layout(trainer.mesh)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+        return cls(coord, signature, trainer.progress.step, trainer.progress.samples_consumed,
+                   {"scheduler": sched, "param_groups": groups, "rng": rng_state()}, entries, data)
+
+    def apply(self, trainer) -> None:
+        """Write this state into `trainer` (built on the same layout). Checks fit before writing anything."""
+        from phalanx.train.checkpoint import set_rng_state
+        from phalanx.train.trainer import Progress
+
+        coord, signature = shard_layout(trainer.mesh)
+        if (coord, signature) != (self.coord, self.signature):
+            raise IntegrityError(f"state of shard {self.coord} in layout {self.signature} does not fit shard "
+                                 f"{coord} in layout {signature}")
+        by_key = {e.key: e for e in self.entries}
+        params = trainer.sharded_params
+        for name, p in params.items():
+            e = by_key.get(f"param/{name}")
+            if e is None or e.shape != tuple(_local(p).shape) or e.dtype != str(p.dtype):
+                raise IntegrityError(f"state has no matching entry for parameter {name} "
+                                     f"({'missing' if e is None else f'{e.dtype} {e.shape}'})")
+        with torch.no_grad():
+            for name, p in params.items():
+                _local(p).copy_(_view(self.data, by_key[f"param/{name}"]))
+            trainer.optimizer.state.clear()
+            for name, p in params.items():
+                state = {}
+                for e in self.entries:
+                    prefix = f"optim/{name}/"
+                    if not e.key.startswith(prefix):
+                        continue
+                    value = _view(self.data, e).clone().to(_local(p).device if e.shape else "cpu")
+                    if isinstance(p, DTensor) and e.shape == tuple(_local(p).shape):
+                        value = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape,
+                                                   stride=p.stride(), run_check=False)
+                    state[e.key[len(prefix):]] = value
+                if state:
+                    trainer.optimizer.state[p] = state
+        for group, saved in zip(trainer.optimizer.param_groups, self.extra["param_groups"], strict=True):
+            group.update(saved)  # the scheduled lr lives here
+        trainer.progress = Progress(step=self.step, samples_consumed=self.samples_consumed)
+        lambdas = [None] * len(trainer.scheduler.lr_lambdas)
+        trainer.scheduler.load_state_dict({**self.extra["scheduler"], "lr_lambdas": lambdas})
+        set_rng_state(self.extra["rng"])
+
+    # ---- integrity --------------------------------------------------------------------------------
+    def seal(self) -> "ShardState":
+        """Compute every tensor's CRC32 (once)."""
+        for e in self.entries:
+            if e.crc is None:
+                e.crc = _crc(self.data, e)
+        return self
+
+    def verify(self) -> None:
+        bad = [e.key for e in self.entries if e.crc is None or _crc(self.data, e) != e.crc]
+        if bad:
+            raise IntegrityError(f"{len(bad)} of {len(self.entries)} tensors fail their checksum "
+                                 f"(first: {bad[0]}) in the state of shard {self.coord} at step {self.step}")
+
+    def header(self) -> dict:
+        return {"coord": self.coord, "signature": self.signature, "step": self.step,
+                "samples_consumed": self.samples_consumed, "extra": self.extra,
+                "entries": [e.__dict__ for e in self.entries], "nbytes": self.nbytes, "taken_at": self.taken_at}
+
+    @classmethod
+    def from_header(cls, h: dict, data: torch.Tensor) -> "ShardState":
+        return cls(h["coord"], h["signature"], h["step"], h["samples_consumed"], h["extra"],
+                   [Entry(**e) for e in h["entries"]], data, h["taken_at"])
+
+
+def _view(data: torch.Tensor, e: Entry) -> torch.Tensor:
+    return data[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)
+
+
+def _crc(data: torch.Tensor, e: Entry) -> int:
+    return zlib.crc32(memoryview(data[e.offset:e.offset + e.nbytes].numpy()))
+
+
+def exchange(sends: list[tuple[int, ShardState]], recvs: list[int], group=None) -> dict[int, ShardState]:
+    """Send each (dst, state) and receive one state from each src in `recvs`, all posted at once (so a
+    ring of buddies cannot deadlock). Received states are verified. Ranks are global ranks of `group`.
+    Returns {src: state}."""
+
+    def wait(works):
+        for w in works:
+            w.wait()
+
+    headers = {dst: torch.frombuffer(bytearray(pickle.dumps(s.seal().header())), dtype=torch.uint8)
+               for dst, s in sends}
+    sizes_out = {dst: torch.tensor([h.numel()], dtype=torch.int64) for dst, h in headers.items()}
+    sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in recvs}
+    wait([dist.isend(sizes_out[dst], dst, group=group, tag=1) for dst, _ in sends]
+         + [dist.irecv(sizes_in[src], src, group=group, tag=1) for src in recvs])
+    heads_in = {src: torch.empty(int(sizes_in[src].item()), dtype=torch.uint8) for src in recvs}
+    wait([dist.isend(headers[dst], dst, group=group, tag=2) for dst, _ in sends]
+         + [dist.irecv(heads_in[src], src, group=group, tag=2) for src in recvs])
+    parsed = {src: pickle.loads(heads_in[src].numpy().tobytes()) for src in recvs}
+    data_in = {src: torch.empty(parsed[src]["nbytes"], dtype=torch.uint8) for src in recvs}
+    wait([dist.isend(s.data, dst, group=group, tag=3) for dst, s in sends]
+         + [dist.irecv(data_in[src], src, group=group, tag=3) for src in recvs])
+    out = {}
+    for src in recvs:
+        state = ShardState.from_header(parsed[src], data_in[src])
+        state.verify()
+        out[src] = state
+    return out
