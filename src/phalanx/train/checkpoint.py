@@ -176,6 +176,12 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
 
+    def abandon(self) -> None:
+        """A fault ended this process group: forget the save in flight (it is never committed: its .tmp is
+        pruned by a later save) and the group it ran on."""
+        self._pending = None
+        self._async_group = None
+
 
 def _fsync_dir(path: Path) -> None:
     try:

@@ -89,6 +89,20 @@ class CheckpointSection(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class ResilienceSection(_Strict):
+    """How a job on a Phalanx cluster recovers from a failed node or process (`phalanx job submit`)."""
+
+    recovery: Literal["restart", "checkpointless"] = Field(
+        "restart", description="restart: every process restarts from the newest checkpoint; checkpointless: "
+                               "survivors keep running and the replacement restores from peers' memory")
+    snapshot_interval: int = Field(1, ge=0, description="checkpointless without replicas (dp_replicate=1): "
+                                                        "steps between buddy snapshots; 0 = off")
+    recovery_timeout_s: float = Field(600.0, gt=0, description="how long a survivor waits for the next "
+                                                               "generation before giving up (exit 3)")
+    regroup_timeout_s: float = Field(120.0, gt=0, description="how long a generation waits for all its ranks "
+                                                              "to arrive")
+
+
 class TrainConfig(_Strict):
     run_dir: Path = Path("runs/default")
     seed: int = 1234
@@ -103,6 +117,7 @@ class TrainConfig(_Strict):
     lr_schedule: LRScheduleSection = LRScheduleSection()
     activation_checkpointing: ActivationCheckpointingSection = ActivationCheckpointingSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    resilience: ResilienceSection = ResilienceSection()
 
     @model_validator(mode="after")
     def _model_source(self):

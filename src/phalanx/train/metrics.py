@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 
 class MetricsWriter:
@@ -44,7 +45,7 @@ class MetricsWriter:
             return
         self._write({"time": time.time(), "event": kind, **fields})
         details = " ".join(f"{k}={v}" for k, v in fields.items())
-        self.console.print(f"[magenta]{kind}[/] {details}")
+        self.console.print(f"[magenta]{kind}[/] {escape(details)}")  # details may hold [brackets]
 
     def close(self) -> None:
         if self._file is not None:

@@ -117,6 +117,7 @@ class Trainer:
             dp_size=self.dims.dp_size,
         )
         self.model = self._build_model()
+        self.ready = init_weights  # the local state is valid (initialised, loaded or restored)
         if init_weights:
             self.initialize_weights()
         else:
@@ -306,6 +307,15 @@ class Trainer:
             self.save_checkpoint()
         self.checkpoints.close()
         self.metrics.event("finished", step=self.progress.step, samples_consumed=self.progress.samples_consumed)
+
+    def abandon(self) -> None:
+        """After a fault: let go of everything tied to this generation's process groups (model, optimizer,
+        mesh, a checkpoint save in flight), so their sockets close and peers blocked on them fail at once."""
+        self.metrics.close()
+        self.checkpoints.abandon()
+        self.sharded_params = {}
+        self.model = self.optimizer = self.scheduler = self.mesh = None
+        self.ready = False
 
     def fit(self) -> Progress:
         """Train to `training.max_steps`, checkpointing every `checkpoint.interval` steps and at the end."""

@@ -3,6 +3,10 @@
 Reads the seam's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
 PHALANX_CONFIG, the resolved config as JSON), initialises torch.distributed (NCCL on GPU, gloo on CPU)
 and runs the `Trainer`. Works the same under `phalanx train`, torchrun or a Phalanx node agent.
+
+Under an agent with PHALANX_RECOVERY=checkpointless the process runs `phalanx.resilience.run` instead: it
+survives its peers' failures and regroups on the controller's store, generation after generation.
+`--standby` starts a warm spare's worker: torch imported, waiting for the rank it must become.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from phalanx.control import seam
 from phalanx.train.config import ConfigError, config_from_dict
 
 log = logging.getLogger("phalanx.worker")
@@ -39,6 +44,17 @@ def run(config_tree: dict) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     device, backend = select_device()
+    if os.environ.get(seam.RECOVERY) == seam.CHECKPOINTLESS and os.environ.get(seam.STORE_ADDR):
+        from phalanx.resilience.run import run_checkpointless
+
+        try:
+            return run_checkpointless(config, device, backend)
+        except (ConfigError, DataError, ParallelConfigError) as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 2
+    if config.resilience.recovery == seam.CHECKPOINTLESS:
+        log.warning("resilience.recovery=checkpointless needs a Phalanx cluster (phalanx job submit); without "
+                    "one a failure ends the run and a restart resumes from the newest checkpoint")
     dist.init_process_group(backend, timeout=timedelta(seconds=config.pg_timeout_s))
     try:
         trainer = Trainer(config, device)
@@ -73,7 +89,46 @@ def report_progress(trainer) -> None:
     trainer.train_step = train_step_reporting_progress
 
 
+def wait_as_standby() -> None:
+    """`--standby`: a warm spare's worker. Import what training needs now, then wait for the rank this
+    process must become (the controller writes its env to `seam.standby_key`); adopt that env and its log
+    file, and return to run as that rank."""
+    import json
+    import time
+
+    import phalanx.resilience.run  # noqa: F401  (the imports are the warm-up)
+    import phalanx.train.trainer  # noqa: F401
+
+    host, port = seam.parse_store_addr(os.environ[seam.STORE_ADDR])
+    key = seam.standby_key(os.environ[seam.STANDBY_ID])
+    print(f"standby for {key}: warm (torch {torch.__version__}), waiting", flush=True)
+    store = None
+    while True:
+        try:
+            store = store or dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                           timeout=timedelta(seconds=10))
+            if store.check([key]):
+                assignment = json.loads(store.get(key))
+                store.delete_key(key)
+                break
+        except (RuntimeError, OSError):  # the controller restarts; its store comes back on the same port
+            store = None
+            time.sleep(0.5)
+        time.sleep(0.01)
+    os.environ.update(assignment["env"])
+    os.environ["PHALANX_ACTIVATED_AT"] = repr(time.time())
+    log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    print(f"=== phalanx: warm standby activated as rank {os.environ[seam.RANK]} ===", flush=True)
+
+
 def main() -> int:
+    if "--standby" in sys.argv[1:]:
+        wait_as_standby()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s")
     old_factory = logging.getLogRecordFactory()
     rank = os.environ.get("RANK", "?")

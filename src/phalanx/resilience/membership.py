@@ -1,0 +1,158 @@
+"""A checkpointless worker's view of its job's generations, through the controller's store (the seam).
+
+The controller publishes each generation's layout and then its number (`seam.publish_generation`). A
+worker finds its rank in a layout from its node and local rank, so a survivor keeps its place and a
+replacement takes the failed one's. Process groups rendezvous on `PrefixStore(seam.pg_prefix(job, g))` of
+that store — it lives in the controller, so it outlives any rank (rank 0 included).
+
+`arrive()` counts this rank in and waits until every rank of the generation has arrived before
+`init_process_group` (which would otherwise block, uninterruptibly, on a rank that will never come); a
+newer generation published meanwhile interrupts the wait. `watch()` runs a thread that notices a newer
+generation while this one trains (a node failed a health check, its workers still alive): the training
+loop checks `superseded` between steps.
+
+Knows nothing about models or training state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from phalanx.control import seam
+
+log = logging.getLogger("phalanx.membership")
+POLL_S = 0.01
+
+
+class Superseded(RuntimeError):
+    """A newer generation was published while this one was forming or training."""
+
+    def __init__(self, generation: int, newer: int):
+        super().__init__(f"generation {generation} superseded by generation {newer}")
+        self.newer = newer
+
+
+class NotInGeneration(RuntimeError):
+    """This worker's node has no place in the new generation (it was judged faulty)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    generation: int
+    rank: int
+    world_size: int
+    nodes: tuple[str, ...]
+
+
+class Membership:
+    def __init__(self, store_addr: str, job_id: str, node: str, local_rank: int, *, timeout_s: float = 30.0):
+        self.host, self.port = seam.parse_store_addr(store_addr)
+        self.job_id, self.node, self.local_rank = job_id, node, local_rank
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = self._connect()
+        self.superseded = threading.Event()
+        self._watching: int | None = None
+        self._watch_lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, env=None) -> "Membership":
+        env = os.environ if env is None else env
+        return cls(env[seam.STORE_ADDR], env[seam.JOB_ID], env[seam.NODE], int(env[seam.LOCAL_RANK]))
+
+    def _connect(self):
+        return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=self.timeout)
+
+    # ---- generations ----------------------------------------------------------------------------------
+    def latest(self, store=None) -> int:
+        store = store or self.store
+        key = seam.generation_key(self.job_id)
+        return int(store.get(key)) if store.check([key]) else 0
+
+    def placement(self, generation: int) -> Placement:
+        layout = json.loads(self.store.get(seam.layout_key(self.job_id, generation)))
+        nodes = layout["nodes"]
+        if self.node not in nodes:
+            raise NotInGeneration(f"node {self.node} has no place in generation {generation} (nodes: "
+                                  f"{', '.join(nodes)})")
+        rank = nodes.index(self.node) * layout["workers_per_node"] + self.local_rank
+        return Placement(generation, rank, layout["world_size"], tuple(nodes))
+
+    def wait_for_newer(self, than: int, timeout_s: float) -> int:
+        """Block until a generation newer than `than` is published; return it. TimeoutError after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            g = self._latest_reconnecting()
+            if g > than:
+                return g
+            time.sleep(POLL_S)
+        raise TimeoutError(f"no generation after {than} was published within {timeout_s:g} s")
+
+    def _latest_reconnecting(self) -> int:
+        try:
+            return self.latest()
+        except (RuntimeError, OSError):  # the controller restarts: its store comes back on the same port
+            time.sleep(0.5)
+            try:
+                self.store = self._connect()
+            except (RuntimeError, OSError):
+                pass
+            return 0
+
+    # ---- forming a generation ---------------------------------------------------------------------------
+    def arrive(self, p: Placement, timeout_s: float) -> None:
+        """Count this rank in, then wait for all `p.world_size` ranks (or a newer generation)."""
+        key = seam.joined_key(self.job_id, p.generation)
+        self.store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while (n := self.store.add(key, 0)) < p.world_size:
+            newer = self.latest()
+            if newer > p.generation:
+                raise Superseded(p.generation, newer)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {p.generation}: {n} of {p.world_size} ranks arrived within "
+                                   f"{timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def init_process_group(self, p: Placement, backend: str, timeout_s: float) -> None:
+        prefixed = dist.PrefixStore(seam.pg_prefix(self.job_id, p.generation), self.store)
+        dist.init_process_group(backend, store=prefixed, rank=p.rank, world_size=p.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+
+    def report_recovered(self, generation: int, summary: dict) -> None:
+        self.store.set(seam.recovered_key(self.job_id, generation), json.dumps(summary))
+
+    # ---- watching while training --------------------------------------------------------------------------
+    def watch(self, generation: int) -> None:
+        """Set `superseded` as soon as a generation newer than `generation` is published."""
+        self.superseded.clear()
+        with self._watch_lock:
+            first = self._watching is None
+            self._watching = generation
+        if first:
+            threading.Thread(target=self._watch_loop, name="phalanx-generation-watch", daemon=True).start()
+
+    def _watch_loop(self) -> None:
+        store = None
+        while True:
+            try:
+                store = store or self._connect()
+                newest = self.latest(store)
+            except (RuntimeError, OSError):
+                store = None
+                time.sleep(0.5)
+                continue
+            with self._watch_lock:
+                current = self._watching
+            if current is not None and newest > current and not self.superseded.is_set():
+                log.warning("generation %d published while generation %d trains; next: leave it at the next step "
+                            "boundary and regroup", newest, current)
+                self.superseded.set()
+            time.sleep(0.05)

@@ -1,0 +1,316 @@
+"""Checkpointless training: a worker process that survives its peers' failures.
+
+`CheckpointlessRun` wraps the unchanged `Trainer` (the way torchft wraps a user's loop) in a loop over
+generations:
+
+  join       find this rank in the generation's layout, arrive (every rank, or a newer generation), build
+             the process groups on the controller's store under the generation's prefix
+  restore    build a Trainer without initialising it; every rank reports what it holds (its carried live
+             state, its snapshot copies) in one all_gather; `plan.choose_plan` picks the committed step
+             and the transfers; each rank applies its own copy or a verified one from a peer. Any failed
+             checksum sends every rank to the disk checkpoint instead (one all_reduce decides). Nothing
+             held anywhere (the first start) is the disk path too: the newest checkpoint, or a fresh init
+  train      step, report progress, take buddy snapshots; between steps, leave if a newer generation
+             was published (`Superseded`)
+  on a fault a collective failed (a peer died: gloo reports it within milliseconds, and the error cascades
+             as every survivor drops its groups), or the generation was superseded: capture this rank's
+             state into host memory, drop every reference to the old process groups (model, optimizer,
+             mesh, snapshot thread, the exception's traceback) so their sockets close, and wait for the
+             controller's next generation — then join again, without restarting the process
+
+Errors that are not a peer's fault (a bug, a bad batch) are raised: the process exits non-zero and the
+controller treats it as an application error (restart from the checkpoint, counted against max_retries).
+A survivor that waits longer than `resilience.recovery_timeout_s` for a new generation exits with code 3.
+
+Rank 0 of each generation writes the recovery to `metrics.jsonl` (fault_detected, generation, pg_rebuilt,
+state_restored with bytes and seconds, resumed) and tells the controller (`seam.recovered_key`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from phalanx.control import seam
+from phalanx.resilience.membership import Membership, NotInGeneration, Superseded
+from phalanx.resilience.plan import LIVE, Copy, Holding, choose_plan
+from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
+from phalanx.resilience.state import IntegrityError, ShardState, exchange, shard_layout
+
+log = logging.getLogger("phalanx.checkpointless")
+EXIT_NO_GENERATION = 3
+_PEER_FAULT_WORDS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "timed out",
+                     "Timed out", "Socket", "socket", "ProcessGroup", "peer")
+
+
+def is_peer_fault(err: BaseException) -> bool:
+    """A failure that recovery handles: a collective or store operation failed (a peer died or hung), the
+    generation was superseded, or a transfer failed its checksum."""
+    if isinstance(err, (Superseded, IntegrityError, TimeoutError)):
+        return True
+    kinds = tuple(getattr(dist, n) for n in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+                  if hasattr(dist, n))
+    if kinds and isinstance(err, kinds):
+        return True
+    try:  # DCP wraps each rank's failure (a checkpoint save or load interrupted by a peer's death)
+        from torch.distributed.checkpoint.api import CheckpointException
+        if isinstance(err, CheckpointException):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(err, RuntimeError) and any(w in str(err) for w in _PEER_FAULT_WORDS)
+
+
+def release_process_groups() -> None:
+    """Destroy the process groups and drop the last references Python keeps to them, so their sockets close
+    now (a peer blocked on this rank then fails at once instead of waiting out its timeout). Besides the
+    model and optimizer (already dropped by the caller), DTensor's caches — sharding propagation (Python
+    and C++), redistribution plans, mesh topology — hold specs or meshes, and a mesh holds its groups."""
+    _clear_dtensor_caches()
+    gc.collect()  # FSDP modules hold reference cycles
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    try:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+    except (ImportError, AttributeError):  # pragma: no cover - other torch layouts
+        return
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cached = getattr(propagator, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    try:
+        from torch.distributed.tensor import _collective_utils, _redistribute
+    except ImportError:  # pragma: no cover
+        return
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+                   getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
+
+
+@dataclass
+class Fault:
+    generation: int
+    at: float
+    what: str
+    step: int | None
+
+
+class CheckpointlessRun:
+    def __init__(self, config, device: torch.device, backend: str, env=None):
+        env = os.environ if env is None else env
+        self.config, self.device, self.backend = config, device, backend
+        self.settings = config.resilience
+        self.membership = Membership.from_env(env)
+        self.workers_per_node = int(env.get(seam.LOCAL_WORLD_SIZE, "1"))
+        self.generation = int(env[seam.GENERATION])
+        self.process_started_at = float(env.get("PHALANX_ACTIVATED_AT") or time.time())
+        from phalanx.control.seam import progress_reporter
+
+        self.reporter = progress_reporter(env)
+        self.shelf = SnapshotShelf()
+        self.carried: ShardState | None = None
+        self.fault: Fault | None = None
+        self.trainer = None
+        self.snapshots: BuddySnapshots | None = None
+        self.marks: dict[str, float] = {"started": self.process_started_at}  # when each phase ended (wall)
+
+    # ---- the loop over generations ----------------------------------------------------------------
+    def run(self) -> int:
+        while True:
+            try:
+                self.train_generation(self.generation)
+                self.close()
+                return 0
+            except NotInGeneration as err:
+                log.warning("%s; next: exit (the controller replaced this node)", err)
+                return 0
+            except Exception as err:  # noqa: BLE001 - classified right here
+                if not is_peer_fault(err):
+                    raise
+                newer = err.newer if isinstance(err, Superseded) else None
+                what = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            # Outside the except block: the traceback (and the frames holding the old groups) is gone.
+            self.leave_generation(what)
+            try:
+                self.generation = newer or self.membership.wait_for_newer(self.generation,
+                                                                          self.settings.recovery_timeout_s)
+            except TimeoutError as err:
+                log.error("%s; next: exit with code %d (the controller restarts the job from its checkpoint)",
+                          err, EXIT_NO_GENERATION)
+                return EXIT_NO_GENERATION
+            self.marks["published"] = time.time()
+            log.info("generation %d published; next: regroup", self.generation)
+
+    def close(self) -> None:
+        """Training finished: release the groups before the interpreter exits (a gloo group destroyed by
+        interpreter teardown aborts the process)."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
+        self.trainer = self.snapshots = None
+        release_process_groups()
+
+    def leave_generation(self, what: str) -> None:
+        now = time.time()
+        step = self.trainer.progress.step if self.trainer is not None else None
+        if self.fault is None or self.fault.generation != self.generation:
+            self.fault = Fault(self.generation, now, what, step)
+        self.marks = {"fault": now}
+        log.warning("generation %d ended at step %s (%s); next: keep this process and its state in memory, "
+                    "wait for the next generation", self.generation, step, what)
+        self.shelf.freeze()  # a snapshot exchange still running must not change what we report
+        if self.trainer is not None and self.trainer.ready:
+            self.carried = ShardState.capture(self.trainer)
+        if self.snapshots is not None:
+            self.snapshots.release()
+        if self.trainer is not None:
+            self.trainer.abandon()
+        self.trainer = self.snapshots = None
+        release_process_groups()
+        self.marks["left"] = time.time()
+
+    # ---- one generation ------------------------------------------------------------------------------------
+    def train_generation(self, generation: int) -> None:
+        from phalanx.train.trainer import Trainer
+
+        marks = self.marks
+        placement = self.membership.placement(generation)
+        self.membership.arrive(placement, self.settings.regroup_timeout_s)
+        marks["arrived"] = time.time()
+        self.membership.init_process_group(placement, self.backend, self.config.pg_timeout_s)
+        marks["pg"] = time.time()
+        if self.reporter is not None:
+            self.reporter.switch(generation, placement.rank)
+        self.trainer = trainer = Trainer(self.config, self.device, init_weights=False)
+        marks["trainer"] = time.time()
+        self.restore(trainer, placement)
+        self.membership.watch(generation)
+        if self.settings.snapshot_interval and self.config.parallel.dp_replicate == 1:
+            self.snapshots = BuddySnapshots(trainer, self.shelf, interval=self.settings.snapshot_interval,
+                                            workers_per_node=self.workers_per_node)
+            self.snapshots.after_step(force=True)  # cover every shard again at once after a recovery
+        if self.reporter is not None:
+            self.reporter.report(trainer.progress.step)
+        while not trainer.done:
+            if self.membership.superseded.is_set():
+                raise Superseded(generation, self.membership.latest())
+            record = trainer.advance()
+            if self.reporter is not None:
+                self.reporter.report(record["step"])
+            if self.snapshots is not None:
+                self.snapshots.after_step()
+        if self.snapshots is not None:
+            self.snapshots.wait()
+        trainer.finish()
+        trainer.metrics.close()
+
+    # ---- agreement and restore -------------------------------------------------------------------------------
+    def restore(self, trainer, placement) -> None:
+        start = time.time()
+        coord, signature = shard_layout(trainer.mesh)
+        mine: dict[str, ShardState] = {}
+        copies: list[Copy] = []
+        if self.carried is not None:
+            c = self.carried
+            mine[LIVE] = c
+            copies.append(Copy(LIVE, c.coord, c.signature, c.step))
+        for copy, state in self.shelf.copies():
+            mine[copy.source] = state
+            copies.append(copy)
+        info = {"holding": Holding(placement.rank, coord, signature, tuple(copies)), "rank": placement.rank,
+                "node": self.membership.node, "marks": self.marks, "process_started_at": self.process_started_at,
+                "fault": self.fault.__dict__ if self.fault is not None else None}
+        infos: list = [None] * placement.world_size
+        dist.all_gather_object(infos, info)
+        self.marks["gathered"] = time.time()
+        plan = choose_plan([i["holding"] for i in infos])
+        received, restore_error = 0, None
+        if plan.kind == "memory":
+            try:
+                want = plan.receive(placement.rank)
+                sends = [(t.dst, mine[t.source]) for t in plan.sends(placement.rank)]
+                got = exchange(sends, [want.src] if want else [], group=self._transfer_group())
+                state = got[want.src] if want else mine[plan.local[placement.rank]]
+                received = state.nbytes if want else 0
+                state.apply(trainer)
+            except IntegrityError as err:
+                restore_error = str(err)
+            ok = torch.tensor([0.0 if restore_error else 1.0])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if ok.item() < 1:
+                plan.kind, plan.reason = "disk", (restore_error or "a peer's transferred state failed "
+                                                  "verification") + "; falling back to the newest checkpoint"
+        if plan.kind == "disk":
+            if self.carried is not None or self.shelf.copies():
+                log.warning("checkpointless restore not possible: %s", plan.reason)
+            trainer.initialize_weights()
+            trainer.start()  # the newest valid checkpoint (its own `resumed` event), or a fresh start
+        trainer.ready = True
+        moved = torch.tensor([float(received)])
+        dist.all_reduce(moved)
+        self.marks["restored"] = time.time()
+        self._record(trainer, plan, infos, start, int(moved.item()))
+        self.carried = None
+        self.shelf.prune_after(trainer.progress.step)
+
+    def _transfer_group(self):
+        """States travel in host memory over gloo: the default group on CPU, a gloo group beside NCCL."""
+        return None if self.backend == "gloo" else dist.new_group(backend="gloo")
+
+    def _record(self, trainer, plan, infos: list[dict], start: float, moved: int) -> None:
+        """Rank 0: the recovery in metrics.jsonl and for the controller."""
+        if dist.get_rank() != 0:
+            return
+        faults = [i["fault"] for i in infos if i["fault"] is not None]
+        if not faults:
+            return  # a first start: trainer.start() recorded it
+        m, now = trainer.metrics, time.time()
+        first = min(faults, key=lambda f: f["at"])
+        lost_from = max((f["step"] for f in faults if f["step"] is not None), default=None)
+        fresh = [i["rank"] for i in infos if i["fault"] is None]
+        source = ("checkpoint" if plan.kind == "disk" else "buddy-snapshot" if plan.from_snapshot
+                  else "peer-memory")
+        m.event("fault_detected", at=first["at"], generation=first["generation"], step=first["step"],
+                what=first["what"], detected_by=len(faults))
+        t0 = first["at"]
+        phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
+        m.event("generation", generation=self.generation, world_size=len(infos), survivors=len(faults),
+                replacements=fresh, rejoin_started_at=min((i["process_started_at"] for i in infos
+                                                          if i["fault"] is None), default=None),
+                phases_since_fault_s=phases)
+        m.event("pg_rebuilt", generation=self.generation,
+                seconds=round(max(i["marks"]["pg"] - i["marks"]["arrived"] for i in infos), 4),
+                all_arrived_after_fault_s=round(max(i["marks"]["arrived"] for i in infos) - t0, 4))
+        summary = {"source": source, "step": trainer.progress.step, "bytes": moved,
+                   "seconds": round(now - start, 4), "transfers": len(plan.transfers),
+                   "reason": plan.reason or None}
+        m.event("state_restored", **summary)
+        if plan.kind == "memory":
+            steps_lost = (lost_from - trainer.progress.step) if lost_from is not None else None
+            m.event("resumed", step=trainer.progress.step, samples_consumed=trainer.progress.samples_consumed,
+                    world_size=len(infos), recovery="checkpointless", steps_lost=steps_lost)
+        try:
+            self.membership.report_recovered(self.generation, {**summary, "generation": self.generation,
+                                                               "fault": first["what"]})
+        except (RuntimeError, OSError) as err:
+            log.warning("could not tell the controller about the recovery (%s); training goes on", err)
+
+
+def run_checkpointless(config, device: torch.device, backend: str) -> int:
+    return CheckpointlessRun(config, device, backend).run()

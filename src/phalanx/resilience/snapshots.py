@@ -1,0 +1,137 @@
+"""Buddy snapshots: in-memory copies of every rank's state on another node, for jobs without a replica.
+
+With dp_replicate = 1 no peer holds a copy of a rank's shard, so every `interval` steps each rank copies
+its state (`ShardState.capture`, host memory) and a background thread sends it to its *buddy* — the same
+local rank on the next node, rank (r + workers_per_node) mod world — while receiving the copy of the rank
+whose buddy it is. Then the thread joins a one-number all_reduce on the snapshot group: when that
+completes anywhere, every exchange of that step has completed everywhere (each rank enters it only after
+its own exchange), so every shard's copy of that step exists on two nodes and the older copies are
+dropped. Until then the previous complete snapshot is kept, so a failure at any moment leaves one step
+that all shards have (`plan.choose_plan` finds it).
+
+The capture is the only part on the training step's path (a host copy of the local shards); the exchange
+and the agreement run beside the next steps on their own gloo group. A snapshot step whose previous
+exchange is still running waits for it — skipping would desynchronise the ranks' exchanges.
+
+`SnapshotShelf` keeps the copies across generations (a survivor's snapshots outlive its process groups);
+`freeze()` at a fault stops a lingering exchange thread from changing what the shelf reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from phalanx.resilience.plan import Copy
+from phalanx.resilience.state import ShardState, exchange
+
+log = logging.getLogger("phalanx.snapshots")
+
+
+class SnapshotShelf:
+    """This rank's snapshot copies: its own ("own@S") and its peer's ("peer@S"), at most two steps each."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.epoch = 0  # bumped by freeze(): results of older exchanges are discarded
+        self.own: dict[int, ShardState] = {}
+        self.peer: dict[int, ShardState] = {}
+
+    def freeze(self) -> None:
+        with self.lock:
+            self.epoch += 1
+
+    def add_own(self, epoch: int, state: ShardState) -> None:
+        with self.lock:
+            if epoch == self.epoch:
+                self.own[state.step] = state
+
+    def add_peer(self, epoch: int, state: ShardState) -> None:
+        with self.lock:
+            if epoch == self.epoch:
+                self.peer[state.step] = state
+
+    def complete(self, epoch: int, step: int) -> None:
+        """Every rank's exchange of `step` finished: drop the older copies."""
+        with self.lock:
+            if epoch == self.epoch:
+                self.own = {s: v for s, v in self.own.items() if s >= step}
+                self.peer = {s: v for s, v in self.peer.items() if s >= step}
+
+    def copies(self) -> list[tuple[Copy, ShardState]]:
+        with self.lock:
+            return ([(Copy(f"own@{s}", v.coord, v.signature, s), v) for s, v in sorted(self.own.items())]
+                    + [(Copy(f"peer@{s}", v.coord, v.signature, s), v) for s, v in sorted(self.peer.items())])
+
+    def prune_after(self, step: int) -> None:
+        """Training went on from `step` (a rollback): copies of later steps belong to an abandoned future."""
+        with self.lock:
+            self.own = {s: v for s, v in self.own.items() if s <= step}
+            self.peer = {s: v for s, v in self.peer.items() if s <= step}
+
+    def clear(self) -> None:
+        with self.lock:
+            self.epoch += 1
+            self.own, self.peer = {}, {}
+
+    @property
+    def nbytes(self) -> int:
+        with self.lock:
+            return sum(v.nbytes for v in [*self.own.values(), *self.peer.values()])
+
+
+class BuddySnapshots:
+    """Takes and exchanges the snapshots of one generation. Collective to construct (makes a gloo group)."""
+
+    def __init__(self, trainer, shelf: SnapshotShelf, *, interval: int, workers_per_node: int,
+                 timeout_s: float = 30.0):
+        self.trainer, self.shelf, self.interval = trainer, shelf, interval
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.buddy = (rank + workers_per_node) % world
+        self.ward = (rank - workers_per_node) % world  # the rank whose buddy this one is
+        self.enabled = interval > 0 and self.buddy != rank
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.enabled else None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        if interval > 0 and not self.enabled:
+            log.warning("buddy snapshots off: every rank is on one node (no other node to hold a copy)")
+
+    def after_step(self, *, force: bool = False) -> None:
+        """Snapshot every `interval` steps (or now, with `force`: every rank must make the same call)."""
+        step = self.trainer.progress.step
+        if not self.enabled or (step % self.interval and not force):
+            return
+        self.wait()
+        if self.error is not None:
+            raise RuntimeError(f"buddy snapshot exchange failed: {self.error}") from self.error
+        epoch = self.shelf.epoch
+        state = ShardState.capture(self.trainer)
+        self.shelf.add_own(epoch, state)
+        self._thread = threading.Thread(target=self._exchange, args=(state, epoch), daemon=True,
+                                        name=f"phalanx-snapshot-{step}")
+        self._thread.start()
+
+    def _exchange(self, state: ShardState, epoch: int) -> None:
+        try:
+            got = exchange([(self.buddy, state)], [self.ward], group=self.group)
+            self.shelf.add_peer(epoch, got[self.ward])
+            done = torch.ones(1)
+            dist.all_reduce(done, group=self.group)
+            self.shelf.complete(epoch, state.step)
+        except Exception as err:  # the peer died mid-exchange; the training loop sees the fault itself
+            self.error = err
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def release(self) -> None:
+        """Drop the group (a fault: don't wait for a thread that may be blocked on a dead peer)."""
+        self.group = None
+        self._thread = None
+        self.trainer = None
