@@ -71,7 +71,8 @@ class Agent:
         self._gpus = health.GpuMonitor(int(cfg["gpus"]), cfg["instance_type"])
         self.deep = DeepCheckRunner(self.work_dir)
         self.wake = threading.Event()  # heartbeat now (a worker exited, or the agent is stopping)
-        self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set)
+        self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set,
+                                        work_dir=self.work_dir, store_addr=self.store_addr)
         self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)
         self.controller_id: float | None = None  # start time of the controller that sent it
         self.relay_gap = True  # progress relay may have missed something: restart the hang clocks
@@ -164,17 +165,25 @@ class Agent:
             return None
         return f"http://{ep['connect_host']}:{ep['api_port']}"
 
+    def store_addr(self) -> str | None:
+        """host:port of the controller's store (warm standbys wait on it)."""
+        try:
+            ep = json.loads(self.endpoint_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return f"{ep['connect_host']}:{ep['store_port']}"
+
     def heartbeat_body(self) -> dict:
         with self.lock:
             return {"pid": os.getpid(), "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
                     "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at,
-                    "deep_check": self.deep.result()}
+                    "deep_check": self.deep.result(), "standbys": self.workers.standby_ids()}
 
     def handle_reply(self, reply: dict, body: dict) -> None:
         gap = self.relay_gap or reply.get("controller") != self.controller_id
         self.relay_gap, self.controller_id = False, reply.get("controller")
         if reply.get("action") != "terminate":
-            self.workers.apply(reply.get("workers", []), relay_gap=gap)
+            self.workers.apply(reply.get("workers", []), relay_gap=gap, standby=int(reply.get("standby", 0)))
             self.deep.apply(reply.get("deep_check"))
         self.workers.acknowledged(body["workers"])
         self.reply_sent_at = reply.get("sent_at")

@@ -58,6 +58,7 @@ class WorkerReport(BaseModel):
     stopped: bool
     started_at: float
     ended_at: float | None
+    carried_from: list[int] | None = None  # checkpointless: [generation, rank] this process served before
 
 
 class Heartbeat(BaseModel):
@@ -70,6 +71,7 @@ class Heartbeat(BaseModel):
     workers: list[WorkerReport] = []
     reply_sent_at: float | None = None  # the last reply the agent acted on
     deep_check: dict | None = None  # the result of the newest deep-check round the node took part in
+    standbys: dict[str, str] = {}  # local rank → id of the warm standby worker waiting on that slot
 
 
 class FaultRequest(BaseModel):
@@ -91,6 +93,7 @@ class JobRequest(BaseModel):
     env: dict[str, str] = {}
     auto_resume: bool = False
     max_retries: int = Field(0, ge=0)
+    recovery: Literal["restart", "checkpointless"] = "restart"
 
 
 class _StoreCollector:
@@ -186,17 +189,18 @@ def build_app(ctl) -> FastAPI:
         if node.pid is not None and hb.pid != node.pid:
             raise HTTPException(410, f"node {name} is run by agent pid {node.pid}, not {hb.pid}")
         store.update_node(name, last_heartbeat=time.time(), pid=hb.pid, health=hb.health,
-                          report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check})
+                          report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
+                                  "standbys": hb.standbys})
         ctl.jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)
         status = store.cluster()["status"]
-        sent_at, workers = ctl.jobs.assignments(store.node(name))
+        sent_at, workers, standby = ctl.jobs.assignments(store.node(name))
         reply = {"sent_at": sent_at, "controller": ctl.started_at, "workers": [], "faults": []}
         if node.state == S.REPLACING:
             return {**reply, "action": "terminate", "reason": node.reason}
         if status in (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
             return {**reply, "action": "terminate", "reason": f"cluster is {status}"}
         return {**reply, "action": "run", "state": node.state.value, "faults": store.take_directives(name),
-                "workers": workers, "deep_check": ctl.deep_checks.assignment(node)}
+                "workers": workers, "standby": standby, "deep_check": ctl.deep_checks.assignment(node)}
 
     @app.post("/v1/nodes/{name}/faults", status_code=202)
     def inject_fault(name: str, req: FaultRequest) -> dict:

@@ -147,8 +147,11 @@ class Controller:
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
             read_progress=lambda job, gen, ranks: seam.read_progress(rendezvous, job, gen, ranks),
-            controller_id=started_at,
+            controller_id=started_at, rendezvous=rendezvous,
         )
+        self.jobs.token = self.token
+        if restart:
+            self.jobs.republish()  # checkpointless workers watch their job's generation key
         reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit,
                                 jobs=self.jobs, deep_checks=self.deep_checks)
         self.server = uvicorn.Server(uvicorn.Config(build_app(self), log_level="warning", access_log=False,

@@ -59,6 +59,10 @@ def submit(
                                      "checkpoint"),
     max_retries: int = typer.Option(0, "--max-retries", min=0, help="restarts after an application error "
                                     "(non-zero exit with every node healthy)"),
+    recovery: Optional[str] = typer.Option(None, "--recovery", help="restart (every process restarts from the "
+                                           "newest checkpoint) or checkpointless (survivors keep running, the "
+                                           "replacement restores from peers' memory; implies --auto-resume); "
+                                           "default: the config's resilience.recovery"),
     name: Optional[str] = typer.Option(None, "--name", help="job name (default: the run dir or the command)"),
     group: Optional[str] = typer.Option(None, "--group", help="instance group (needed with several)"),
     cluster: Optional[str] = ClusterOpt,
@@ -75,15 +79,16 @@ def submit(
             _fail(f"unexpected argument {stray[0]!r}: after the config only key=value overrides are allowed "
                   f"(a command goes after `--`)", 2)
         job = _job_guard(lambda: client.submit(config, overrides=overrides, nodes=nodes, auto_resume=auto_resume,
-                                               max_retries=max_retries, name=name, group=group))
+                                               max_retries=max_retries, name=name, group=group, recovery=recovery))
     else:
         job = _job_guard(lambda: client.submit(command=args, nodes=nodes, auto_resume=auto_resume,
-                                               max_retries=max_retries, name=name, group=group))
+                                               max_retries=max_retries, name=name, group=group, recovery=recovery))
     for line in job.get("warnings", []):
         err.print(f"[yellow]warning:[/] {line}")
     out.print(f"submitted job {job['id']} ({job['name']}): {job['nodes_requested']} nodes × "
               f"{job['workers_per_node']} workers = world size {job['world_size']}, auto-resume "
-              f"{'on' if job['auto_resume'] else 'off'}, max-retries {job['max_retries']}; state {job['state']}")
+              f"{'on' if job['auto_resume'] else 'off'}, max-retries {job['max_retries']}, recovery "
+              f"{job['recovery']}; state {job['state']}")
 
 
 @job_app.command("list")

@@ -66,10 +66,14 @@ class JobClient:
     def submit(self, config=None, *, command: Sequence[str] | None = None, nodes: int,
                overrides: Sequence[str] = (), name: str | None = None, group: str | None = None,
                auto_resume: bool = False, max_retries: int = 0, env: dict[str, str] | None = None,
-               cwd: Path | str | None = None) -> dict:
+               cwd: Path | str | None = None, recovery: str | None = None) -> dict:
         """Submit a training config (path or TrainConfig) or a command. Returns the job (state pending),
         with `warnings`. Raises JobError, ClusterError, or the runtime's ConfigError / DataError /
-        ParallelConfigError when the config fails preflight — in every case nothing was started."""
+        ParallelConfigError when the config fails preflight — in every case nothing was started.
+
+        `recovery`: restart | checkpointless; default: the training config's `resilience.recovery`."""
+        if recovery not in (None, "restart", "checkpointless"):
+            raise JobError(f"--recovery {recovery!r}: choose restart or checkpointless")
         if (config is None) == (command is None):
             raise JobError("give either a training config or a command (`-- CMD ...`), not both or neither")
         if name is not None and not NAME.match(name):
@@ -101,9 +105,15 @@ class JobClient:
                 warnings.append(f"pg_timeout_s={cfg.pg_timeout_s:g} is not above the cluster's hang_timeout_s="
                                 f"{hang:g}: a hung rank's peers time out first and the hang is retried as an "
                                 f"application error instead of replacing its node")
+            recovery = recovery or cfg.resilience.recovery
+            if recovery != cfg.resilience.recovery:  # the job's workers read the mode from the config too
+                cfg = cfg.model_copy(update={"resilience": cfg.resilience.model_copy(update={"recovery": recovery})})
             body.update(kind="train", config=dump_config(cfg), checkpoint_dir=str(cfg.checkpoint_dir),
-                        name=name or default_name(Path(cfg.run_dir).name))
+                        name=name or default_name(Path(cfg.run_dir).name), recovery=recovery)
         else:
+            if recovery == "checkpointless":
+                raise JobError("--recovery checkpointless needs a training config: a command's state is unknown "
+                               "to Phalanx (use --auto-resume to rerun it on a fault)")
             body.update(kind="command", argv=list(command), name=name or default_name(Path(command[0]).name))
         try:
             job = self.cluster.call("POST", "/v1/jobs", body)

@@ -51,7 +51,7 @@ JOB_ALLOWED: dict[JobState, set[JobState]] = {
 FINAL = (J.SUCCEEDED, J.FAILED, J.CANCELLED)
 ACTIVE = (J.RUNNING, J.RECOVERING)  # holding nodes
 
-_JSON_FIELDS = ("nodes", "argv", "env", "config", "faults")
+_JSON_FIELDS = ("nodes", "argv", "env", "config", "faults", "restored", "standbys")
 
 
 def _enc(values: dict) -> dict:
@@ -88,6 +88,7 @@ class Job:
     nodes: list
     auto_resume: bool
     max_retries: int
+    recovery: str  # restart | checkpointless
     attempts: int
     retries: int
     node_faults: int
@@ -127,6 +128,8 @@ class Generation:
     start_step: int | None
     last_step: int | None
     first_step_at: float | None
+    restored: dict | None  # checkpointless: {"source", "step", "bytes", "seconds", ...} from its rank 0
+    standbys: dict  # str(rank) → id of the warm standby worker told to become that rank
 
     def public(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -184,7 +187,7 @@ class JobRecords:
     # ---- jobs ---------------------------------------------------------------------------------------
     def add_job(self, *, name: str | None, kind: str, group: str, nodes: int, workers_per_node: int, argv: list,
                 cwd: str, env: dict, config: dict | None, jobs_root: str, checkpoint_dir: str | None,
-                auto_resume: bool, max_retries: int) -> Job:
+                auto_resume: bool, max_retries: int, recovery: str = "restart") -> Job:
         now = time.time()
         with self.store.transaction() as db:
             (seq,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()
@@ -196,12 +199,14 @@ class JobRecords:
                 "cwd": cwd, "env": env, "config": config, "job_dir": job_dir,
                 "checkpoint_dir": checkpoint_dir or f"{job_dir}/checkpoints", "nodes": [],
                 "auto_resume": int(auto_resume), "max_retries": max_retries, "reason": "waiting to be scheduled",
+                "recovery": recovery,
                 "created_at": now, "updated_at": now,
             })
             db.execute(f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
                        tuple(row.values()))
             what = f"{kind} job {name or job_id!r} submitted: {nodes} nodes × {workers_per_node} workers of group " \
-                   f"{group}, auto_resume={'on' if auto_resume else 'off'}, max_retries={max_retries}"
+                   f"{group}, auto_resume={'on' if auto_resume else 'off'}, max_retries={max_retries}, " \
+                   f"recovery={recovery}"
             db.execute("INSERT INTO events (time, job, kind, to_state, reason) VALUES (?,?,?,?,?)",
                        (now, job_id, "job", J.PENDING.value, what))
         return self.job(job_id)

@@ -41,6 +41,7 @@ from phalanx.control.store import ClusterStatus, Node, NodeState, Store
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
 NODE_FAULTS = ("node", "hang")
+IN_PLACE_OUTCOMES = ("node-fault", "process-fault")
 
 
 class JobRequestError(ValueError):
@@ -54,7 +55,7 @@ class JobRequestError(ValueError):
 class JobScheduler:
     def __init__(self, store: Store, backend, *, jobs_root: Path,
                  read_progress: Callable[[str, int, list[int]], dict[int, dict]] | None,
-                 store_addr: Callable[[], str | None], controller_id: float):
+                 store_addr: Callable[[], str | None], controller_id: float, rendezvous=None):
         self.store = store
         self.backend = backend
         self.spec = store.spec()
@@ -63,13 +64,16 @@ class JobScheduler:
         self.read_progress = read_progress
         self.store_addr = store_addr
         self.controller_id = controller_id  # agents restart their hang clocks when this changes
+        self.rendezvous = rendezvous  # the controller's TCPStore (checkpointless generations, warm standbys)
+        self.token = ""  # the cluster token, put in a standby's env (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
 
     # ---- API: submit, cancel, describe --------------------------------------------------------------
     def submit(self, *, kind: str, nodes: int, name: str | None = None, group: str | None = None,
                argv: list[str] | None = None, config: dict | None = None, checkpoint_dir: str | None = None,
-               cwd: str, env: dict | None = None, auto_resume: bool = False, max_retries: int = 0) -> Job:
+               cwd: str, env: dict | None = None, auto_resume: bool = False, max_retries: int = 0,
+               recovery: str = "restart") -> Job:
         status = self.store.cluster()["status"]
         if status not in (ClusterStatus.IN_SERVICE.value, ClusterStatus.DEGRADED.value):
             raise JobRequestError(409, f"cluster {self.spec.name} is {status}; jobs run on a cluster in service")
@@ -84,11 +88,16 @@ class JobScheduler:
             argv = [sys.executable, "-m", seam.TRAIN_WORKER_MODULE]
         elif not argv:
             raise JobRequestError(422, "a command job needs a command (`phalanx job submit --nodes N -- CMD ...`)")
+        if recovery == seam.CHECKPOINTLESS:
+            if kind != "train":
+                raise JobRequestError(422, "--recovery checkpointless needs a training config: a command's state "
+                                           "is unknown to Phalanx (use --auto-resume to rerun it on a fault)")
+            auto_resume = True  # recovering in place is resuming; the checkpoint stays the fallback
         with self.lock:
             job = self.records.add_job(name=name, kind=kind, group=g.name, nodes=nodes,
                                        workers_per_node=g.profile.worker_slots, argv=argv, cwd=cwd, env=env or {},
                                        config=config, jobs_root=str(self.jobs_root), checkpoint_dir=checkpoint_dir,
-                                       auto_resume=auto_resume, max_retries=max_retries)
+                                       auto_resume=auto_resume, max_retries=max_retries, recovery=recovery)
         (Path(job.job_dir) / "logs").mkdir(parents=True, exist_ok=True)
         if config is not None:
             (Path(job.job_dir) / "config.json").write_text(json.dumps(config, indent=2))
@@ -150,6 +159,12 @@ class JobScheduler:
                 if old is not None and all(getattr(old, k) == v for k, v in row.items()):
                     continue
                 self.records.put_worker(row)
+                if r.get("carried_from"):  # a survivor now serves this generation
+                    g, rank = r["carried_from"]
+                    seen.add((r["job"], g, rank))
+                    self.records.update_worker(r["job"], g, rank, state="carried",
+                                               detail=f"process carried into generation {r['generation']} as "
+                                                      f"rank {r['rank']}")
                 if r["state"] == "exited" and (old is None or old.state != "exited") and not r["stopped"] \
                         and r["exit_code"] != 0:
                     what = f"rank {r['rank']} (pid {r['pid']}) on {node.name} {r['detail']}"
@@ -159,23 +174,30 @@ class JobScheduler:
                 if key not in seen and old.live:
                     self.records.update_worker(*key, state="lost", detail="no longer reported by its agent")
 
-    def assignments(self, node: Node) -> tuple[float, list[dict]]:
-        """(sent_at, the workers `node` must run). sent_at is taken first, under the lock: an agent that
-        echoes it back has seen every stop decided before it."""
+    def assignments(self, node: Node) -> tuple[float, list[dict], int]:
+        """(sent_at, the workers `node` must run, the warm standbys it should keep). sent_at is taken first,
+        under the lock: an agent that echoes it back has seen every stop decided before it."""
         with self.lock:
             sent_at = time.time()
             if node.state != S.HEALTHY:
-                return sent_at, []
+                return sent_at, [], 0
             out = []
-            for job in self.records.jobs((J.RUNNING,)):
+            for job in self.records.jobs(ACTIVE):
                 gen = self.records.generation(job.id, job.generation)
-                if gen is None or gen.stop_at is not None or node.name not in gen.nodes:
+                if gen is None or node.name not in gen.nodes:
+                    continue
+                if job.state == J.RECOVERING:
+                    if self._in_place(job, gen):  # survivors wait in their processes for the next generation
+                        out.append({"job": job.id, "generation": gen.generation, "hold": True, "ranks": []})
+                    continue
+                if gen.stop_at is not None:
                     continue
                 per = job.workers_per_node
                 first = gen.nodes.index(node.name) * per
-                ranks = [{"rank": first + i, "local_rank": i} for i in range(per)]
+                ranks = [{"rank": first + i, "local_rank": i, "standby": gen.standbys.get(str(first + i))}
+                         for i in range(per)]
                 progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
-                out.append({
+                out.append({"recovery": job.recovery,
                     "job": job.id, "generation": gen.generation, "argv": job.argv, "cwd": job.cwd,
                     "env": self._worker_env(job), "log_dir": str(Path(job.job_dir) / "logs"),
                     "world_size": job.world_size, "local_world_size": per, "master_addr": gen.master_addr,
@@ -184,7 +206,30 @@ class JobScheduler:
                     "config_path": str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,
                     "ranks": ranks, "progress": {str(k): v for k, v in progress.items()}, "hang_detection": relayed,
                 })
-            return sent_at, out
+            return sent_at, out, self.standby_wanted(node)
+
+    def standby_wanted(self, node: Node) -> int:
+        """Warm standby workers `node`'s agent should keep: one per slot on an idle healthy node of a group
+        with warm_standby (a spare, or a member no job holds)."""
+        if node.state != S.HEALTHY or not self.spec.group(node.group).warm_standby:
+            return 0
+        with self.lock:
+            busy = any(node.name in j.nodes for j in self.records.jobs(ACTIVE))
+            return 0 if busy else self.spec.group(node.group).profile.worker_slots
+
+    def _in_place(self, job: Job, gen: Generation) -> bool:
+        """The generation ended by a fault its survivors recover from in their own processes."""
+        return job.recovery == seam.CHECKPOINTLESS and gen.outcome in IN_PLACE_OUTCOMES
+
+    def _standby_nodes(self, job: Job, gen: Generation) -> list[str]:
+        """Nodes of `gen` whose ranks a warm standby may take: every node of a training job's generation,
+        except those whose workers survive into it (checkpointless)."""
+        if job.kind != "train":
+            return []
+        prev = self.records.generation(job.id, gen.generation - 1) if gen.generation > 1 else None
+        if prev is None or not self._in_place(job, prev):
+            return list(gen.nodes)
+        return [n for n in gen.nodes if n not in prev.nodes]
 
     def _worker_env(self, job: Job) -> dict:
         env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"} if self.spec.backend == "local" else {}
@@ -236,16 +281,60 @@ class JobScheduler:
             self.records.transition(job.id, J.SUCCEEDED, done + (f" (last step {step})" if step is not None else ""))
             log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
             return
+        self._note_restored(job, gen)
         faults = self._faults(job, gen, rows)
         if not faults:
             return
         self._record_faults(job, gen, faults, mark_faulty)
+        if job.recovery == seam.CHECKPOINTLESS and all(self._recoverable_in_place(f) for f in faults):
+            return self._recover_in_place(job, gen, faults)
         # stop_at: taken now, under the lock — a reply with a later sent_at no longer carries this generation
         self.records.update_generation(job.id, gen.generation, stop_at=time.time())
         first = faults[0]["detail"]
         self.records.transition(job.id, J.RECOVERING, f"generation {gen.generation} stopping: {first}")
         log.warning("job %s generation %d: %s; next: stop its other workers, then restart or fail the job by the "
                     "fault policy", job.id, gen.generation, first)
+
+    @staticmethod
+    def _recoverable_in_place(fault: dict) -> bool:
+        """A node's fault, or a process killed by a signal: its peers' state is intact. A worker that
+        exited with an error code (a bug, a bad batch) or a stall is the application's: restart it all."""
+        return fault["kind"] in NODE_FAULTS or (fault["kind"] == "exit" and (fault.get("code") or 0) < 0)
+
+    def _recover_in_place(self, job: Job, gen: Generation, faults: list[dict]) -> None:
+        """Checkpointless: end the generation now without stopping its survivors; the failed ranks' nodes are
+        replaced (or, for a killed process on a healthy node, the node keeps its place) and `advance` starts
+        the next generation, which the survivors join from their own processes."""
+        now = time.time()
+        node_fault = any(f["kind"] in NODE_FAULTS for f in faults)
+        first = faults[0]["detail"]
+        bad = sorted({f["node"] for f in faults if f["kind"] in NODE_FAULTS})
+        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, end_reason=first,
+                                       outcome="node-fault" if node_fault else "process-fault")
+        self.records.update_job(job.id, node_faults=job.node_faults + 1)
+        what = (f"{first}; next: survivors keep running and wait for generation {gen.generation + 1}"
+                + (f" with {', '.join(bad)} replaced" if bad else " (a new process in the failed one's place)")
+                + ", where the replacement restores its state from peers' memory")
+        self.records.transition(job.id, J.RECOVERING, what)
+        self.store.record_event("recovery", what, job=job.id)
+        log.warning("job %s generation %d (checkpointless): %s", job.id, gen.generation, what)
+
+    def _note_restored(self, job: Job, gen: Generation) -> None:
+        """Checkpointless: once the generation's rank 0 reports how it restored its state, record it."""
+        if job.recovery != seam.CHECKPOINTLESS or gen.restored is not None or self.rendezvous is None:
+            return
+        key = seam.recovered_key(job.id, gen.generation)
+        try:
+            if not self.rendezvous.check([key]):
+                return
+            summary = json.loads(self.rendezvous.get(key))
+        except (RuntimeError, ValueError):
+            return
+        self.records.update_generation(job.id, gen.generation, restored=summary)
+        self.store.record_event("state_restored", f"generation {gen.generation} restored from {summary['source']} "
+                                f"at step {summary['step']}: {summary['bytes']} bytes moved in "
+                                f"{summary['seconds']:.3f} s" + (f" ({summary['reason']})" if summary.get("reason")
+                                                                  else ""), job=job.id)
 
     def _faults(self, job: Job, gen: Generation, rows: list[WorkerRecord]) -> list[dict]:
         found = []
@@ -263,7 +352,7 @@ class JobScheduler:
                                   "detail": f"rank {w.rank} on {w.node} hung ({w.hang}); killed by its agent"})
                 else:
                     found.append({"kind": "exit", "node": w.node, "rank": w.rank, "time": w.ended_at,
-                                  "detail": f"rank {w.rank} on {w.node} {w.detail}"})
+                                  "code": w.exit_code, "detail": f"rank {w.rank} on {w.node} {w.detail}"})
         return found
 
     def _record_faults(self, job: Job, gen: Generation, faults: list[dict], mark_faulty) -> list[dict]:
@@ -388,7 +477,7 @@ class JobScheduler:
     def _choose_nodes(self, job: Job) -> tuple[list[str] | None, str]:
         taken = {n for j in self.records.jobs(ACTIVE) if j.id != job.id for n in j.nodes}
         taken |= {n for g in self.records.generations(open_only=True) if g.job != job.id for n in g.nodes}
-        live_workers = {w.node for w in self.records.workers() if w.live}
+        live_workers = {w.node for w in self.records.workers() if w.live and w.job != job.id}
 
         def usable(n: Node) -> bool:  # (a stopped generation's nodes are confirmed clean: see _all_stopped)
             return (n.state == S.HEALTHY and not n.is_spare and n.group == job.group_name and n.name not in taken
@@ -432,16 +521,64 @@ class JobScheduler:
         g = job.generation + 1
         first = self.store.node(nodes[0])
         addr, port = self.backend.node_host(first), self.backend.free_port(first)
-        self.records.add_generation(job.id, g, nodes, addr, port, self.store_addr())
+        gen = self.records.add_generation(job.id, g, nodes, addr, port, self.store_addr())
         per = job.workers_per_node
+        self._publish(job, gen)
         layout = ", ".join(f"{n}: ranks {i * per}-{i * per + per - 1}" if per > 1 else f"{n}: rank {i}"
                            for i, n in enumerate(nodes))
         what = f"generation {g} on {len(nodes)} nodes ({layout}); MASTER_ADDR={addr} MASTER_PORT={port}"
-        if g > 1:
+        if g > 1 and self._in_place(job, self.records.generation(job.id, g - 1)):
+            what += "; checkpointless: survivors regroup in place, replacements restore from peers' memory"
+        elif g > 1:
             what += "; resuming from the newest checkpoint" if job.kind == "train" else "; restarting the command"
         self.records.transition(job.id, J.RUNNING, what, generation=g, attempts=job.attempts + 1, nodes=nodes)
         self.store.record_event("generation", what, job=job.id)
         log.info("job %s: %s", job.id, what)
+
+    def _publish(self, job: Job, gen: Generation) -> None:
+        """Store keys of a new generation: the layout and number (checkpointless workers watch them), and the
+        env of every rank a warm standby may take (it starts at once, without waiting for a heartbeat)."""
+        if self.rendezvous is None:
+            return
+        per = job.workers_per_node
+        try:
+            used = {}
+            for name in self._standby_nodes(job, gen):
+                node = self.store.node(name)
+                ready = ((node.report or {}).get("standbys") or {}) if node is not None else {}
+                for local in range(per):
+                    standby = ready.get(str(local))
+                    if standby is None:
+                        continue  # its agent starts a fresh process for this rank
+                    rank = gen.nodes.index(name) * per + local
+                    env = seam.worker_env(self._placement(job, gen, name, rank, local), base=self._worker_env(job))
+                    self.rendezvous.set(seam.standby_key(standby), json.dumps(
+                        {"env": env, "log": str(Path(job.job_dir) / "logs" / f"rank{rank}.log")}))
+                    used[str(rank)] = standby
+            if used:
+                self.records.update_generation(job.id, gen.generation, standbys=used)
+            if job.recovery == seam.CHECKPOINTLESS:
+                seam.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, per)
+        except RuntimeError as err:  # the store is the controller's own: this is a bug or a dying controller
+            log.error("job %s generation %d: could not publish to the rendezvous store (%s)", job.id,
+                      gen.generation, err)
+
+    def republish(self) -> None:
+        """A restarted controller's store is empty: publish the current generation of every active
+        checkpointless job again (its workers watch for it)."""
+        with self.lock:
+            for job in self.records.jobs(ACTIVE):
+                gen = self.records.generation(job.id, job.generation)
+                if gen is not None and job.recovery == seam.CHECKPOINTLESS and self.rendezvous is not None:
+                    seam.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, job.workers_per_node)
+
+    def _placement(self, job: Job, gen: Generation, node: str, rank: int, local: int) -> seam.WorkerPlacement:
+        return seam.WorkerPlacement(
+            job_id=job.id, generation=gen.generation, rank=rank, world_size=job.world_size, local_rank=local,
+            local_world_size=job.workers_per_node, master_addr=gen.master_addr, master_port=gen.master_port,
+            store_addr=gen.store_addr or "", checkpoint_dir=job.checkpoint_dir, cluster_token=self.token,
+            config_path=str(Path(job.job_dir) / "config.json") if job.kind == "train" else None, node=node,
+            recovery=job.recovery)
 
     def _say(self, key: str, line: str) -> None:
         if key not in self._said:

@@ -42,10 +42,11 @@ every worker. The controller publishes, for each generation it starts:
     {job}/gen{g}/recovered         JSON written by the new rank 0 once state is restored: source, step,
                                    bytes, seconds — the controller turns it into an event
 
-Warm standby: a spare node's agent pre-starts `python -m phalanx.train.worker --standby` (torch imported,
-waiting). It watches `standby/{node}/{local_rank}`; the controller writes there the seam env of the rank it
-must become (and the log file), at the same moment it starts the generation, so the standby starts
-without waiting for its agent's next heartbeat. The agent adopts the process as that rank's worker.
+Warm standby: an idle node's agent pre-starts `python -m phalanx.train.worker --standby` per slot (torch
+imported, waiting) with a unique PHALANX_STANDBY_ID, and reports the ids in its heartbeats. It watches
+`standby/{id}`; when a generation gives that node's slot a rank, the controller writes there the seam env
+of that rank (and its log file) at the moment it starts the generation, so the standby starts without
+waiting for its agent's next heartbeat; the assignment names the id, and the agent adopts the process.
 
 Worker side: `progress_reporter()` returns a `ProgressReporter` when the worker runs under an agent. It
 publishes from a background thread (a training step never waits on the store) and outlives a store outage
@@ -78,6 +79,7 @@ CHECKPOINT_DIR = "PHALANX_CHECKPOINT_DIR"
 CLUSTER_TOKEN = "PHALANX_CLUSTER_TOKEN"
 CONFIG = "PHALANX_CONFIG"
 NODE = "PHALANX_NODE"
+STANDBY_ID = "PHALANX_STANDBY_ID"
 RECOVERY = "PHALANX_RECOVERY"
 CHECKPOINTLESS = "checkpointless"
 TRAIN_WORKER_MODULE = "phalanx.train.worker"  # what a training job's agents run (`python -m`)
@@ -156,9 +158,10 @@ def recovered_key(job_id: str, generation: int) -> str:
     return f"{generation_prefix(job_id, generation)}/recovered"
 
 
-def standby_key(node: str, local_rank: int) -> str:
-    """Where a warm standby worker on `node` waits for the env of the rank it must become."""
-    return f"standby/{node}/{local_rank}"
+def standby_key(standby_id: str) -> str:
+    """Where the warm standby worker `standby_id` waits for the env of the rank it must become. Ids are
+    unique (node, slot, sequence): a key is only ever read by the process it was written for."""
+    return f"standby/{standby_id}"
 
 
 def publish_generation(store, job_id: str, generation: int, nodes: list[str], workers_per_node: int) -> None:

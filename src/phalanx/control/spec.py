@@ -71,6 +71,9 @@ class InstanceGroupSpec(_Strict):
     count: int = Field(..., ge=1, description="member nodes the group keeps in service")
     spares: int = Field(0, ge=0, description="healthy idle nodes kept ready to replace a faulty member")
     on_create: Path | None = Field(None, description="lifecycle script run on every node it provisions")
+    warm_standby: bool = Field(True, description="idle nodes (spares, members no job holds) pre-start one "
+                                                 "worker process per slot, torch imported, so a replacement "
+                                                 "or a new job's rank starts in a fraction of a second")
 
     @field_validator("name")
     @classmethod

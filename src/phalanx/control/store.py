@@ -96,6 +96,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     job_dir TEXT NOT NULL, checkpoint_dir TEXT NOT NULL,
     nodes_json TEXT NOT NULL DEFAULT '[]',    -- nodes of the current generation, in rank order
     auto_resume INTEGER NOT NULL, max_retries INTEGER NOT NULL,
+    recovery TEXT NOT NULL DEFAULT 'restart',  -- restart | checkpointless
     attempts INTEGER NOT NULL DEFAULT 0,      -- generations started
     retries INTEGER NOT NULL DEFAULT 0,       -- restarts after application errors
     node_faults INTEGER NOT NULL DEFAULT 0,   -- generations ended by a node fault
@@ -112,12 +113,15 @@ CREATE TABLE IF NOT EXISTS generations (
     end_reason TEXT, faults_json TEXT NOT NULL DEFAULT '[]',
     start_step INTEGER,    -- first progress reported (the resumed step)
     last_step INTEGER, first_step_at REAL,  -- first step finished after start_step
+    restored_json TEXT,    -- checkpointless: how its state was restored (reported by its rank 0)
+    standbys_json TEXT NOT NULL DEFAULT '{}',  -- rank → id of the warm standby told to become it
     PRIMARY KEY (job, generation)
 );
 CREATE TABLE IF NOT EXISTS workers (
     job TEXT NOT NULL, generation INTEGER NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL,
     local_rank INTEGER NOT NULL, pid INTEGER,
     state TEXT NOT NULL,   -- running | stopping | exited | lost (its node died with it)
+                           -- | carried (a checkpointless survivor: the process serves the next generation)
     exit_code INTEGER, detail TEXT, hang TEXT, frozen INTEGER NOT NULL DEFAULT 0,  -- hung with its beat stopped
     stopped INTEGER NOT NULL DEFAULT 0, step INTEGER,
     started_at REAL, ended_at REAL, PRIMARY KEY (job, generation, rank)

@@ -89,6 +89,7 @@ class Worker:
     frozen: bool = False  # hung with its liveness beat stopped too
     hang_detection: bool = True
     reported_exit: bool = False  # a heartbeat carrying its exit was answered
+    carried_from: list | None = None  # checkpointless: [generation, rank] this process served before
 
     @property
     def assignment(self) -> tuple[str, int]:
@@ -98,11 +99,22 @@ class Worker:
         return {"job": self.job, "generation": self.generation, "rank": self.rank, "local_rank": self.local_rank,
                 "pid": self.pid, "state": self.state, "exit_code": self.exit_code, "detail": self.detail,
                 "hang": self.hang, "frozen": self.frozen, "stopped": self.stopped, "started_at": self.started_at,
-                "ended_at": self.ended_at}
+                "ended_at": self.ended_at, "carried_from": self.carried_from}
+
+
+@dataclass
+class Standby:
+    """A warm worker process waiting to be told which rank to become (`python -m phalanx.train.worker
+    --standby`, torch imported). The controller tells it through the store; its agent adopts it."""
+
+    id: str
+    local_rank: int
+    proc: subprocess.Popen
 
 
 class WorkerSupervisor:
-    def __init__(self, node: str, token: str, hang_timeout_s: float, *, wake: Callable[[], None]):
+    def __init__(self, node: str, token: str, hang_timeout_s: float, *, wake: Callable[[], None],
+                 work_dir: Path | None = None, store_addr: Callable[[], str | None] = lambda: None):
         self.node = node
         self.token = token
         self.hang_timeout_s = hang_timeout_s
@@ -110,7 +122,12 @@ class WorkerSupervisor:
         self.lock = threading.Lock()
         self.workers: dict[tuple[str, int, int], Worker] = {}
         self.desired: set[tuple[str, int]] = set()
+        self.held: set[str] = set()  # checkpointless jobs between generations: keep their workers as they are
         self.relay_up = False  # progress relayed by the controller's latest reply (hang checks run only then)
+        self.work_dir = work_dir
+        self.store_addr = store_addr  # the controller's store (standbys wait on it)
+        self.standbys: dict[int, Standby] = {}
+        self._standby_seq = 0
 
     def relay_down(self) -> None:
         """The controller did not answer: stop judging hangs until its next reply (which restarts the clocks)."""
@@ -118,18 +135,24 @@ class WorkerSupervisor:
             self.relay_up = False
 
     # ---- what the controller wants (called with each heartbeat reply) ---------------------------------
-    def apply(self, assignments: list[dict], *, relay_gap: bool) -> None:
+    def apply(self, assignments: list[dict], *, relay_gap: bool, standby: int = 0) -> None:
         now = time.monotonic()
         with self.lock:
             relay_gap = relay_gap or not self.relay_up
             self.relay_up = True
+            self.held = {a["job"] for a in assignments if a.get("hold")}
+            assignments = [a for a in assignments if not a.get("hold")]
             self.desired = {(a["job"], a["generation"]) for a in assignments}
+            for w in self.workers.values():  # waiting for the next generation on purpose: not a hang
+                if w.job in self.held and w.state == "running":
+                    w.last_change = w.last_beat_change = now
             for a in assignments:
                 for r in a["ranks"]:
                     key = (a["job"], a["generation"], r["rank"])
                     w = self.workers.get(key)
                     if w is None:
-                        self.workers[key] = self._start(a, r["rank"], r["local_rank"])
+                        w = self._carry(a, r) if a.get("recovery") == seam.CHECKPOINTLESS else None
+                        self.workers[key] = w or self._adopt(a, r) or self._start(a, r["rank"], r["local_rank"])
                         continue
                     if w.state != "running":
                         continue
@@ -142,15 +165,94 @@ class WorkerSupervisor:
                     if seen.get("beat") is not None and seen["beat"] != w.last_beat:
                         w.last_beat, w.last_beat_change = seen["beat"], now
             for w in self.workers.values():
-                if w.assignment not in self.desired and w.state == "running":
+                if w.assignment not in self.desired and w.job not in self.held and w.state == "running":
                     self._stop(w, now)
+            self._keep_standbys(standby)
+
+    def _carry(self, a: dict, r: dict) -> Worker | None:
+        """Checkpointless: the running worker of this job on the same slot (a survivor of an older
+        generation) serves the new one, in the same process."""
+        old = next((w for w in self.workers.values() if w.job == a["job"] and w.local_rank == r["local_rank"]
+                    and w.generation < a["generation"] and w.state == "running"), None)
+        if old is None:
+            return None
+        del self.workers[(old.job, old.generation, old.rank)]
+        old.carried_from = [old.generation, old.rank]
+        old.generation, old.rank = a["generation"], r["rank"]
+        old.last_step, old.last_beat = None, None
+        old.last_change = old.last_beat_change = time.monotonic()
+        self._log_line(old, f"=== phalanx: pid {old.pid} carried into generation {old.generation} as rank "
+                            f"{old.rank} (checkpointless) ===")
+        log.info("worker pid %d of job %s carried into generation %d as rank %d", old.pid, old.job, old.generation,
+                 old.rank)
+        return old
+
+    def _adopt(self, a: dict, r: dict) -> Worker | None:
+        """The warm standby the controller told to become this rank (through the store), if it is alive."""
+        sb = self.standbys.get(r["local_rank"])
+        if not r.get("standby") or sb is None or sb.id != r["standby"] or sb.proc.poll() is not None:
+            return None
+        del self.standbys[r["local_rank"]]
+        w = Worker(a["job"], a["generation"], r["rank"], r["local_rank"], pid=sb.proc.pid, started_at=time.time(),
+                   proc=sb.proc, log_path=Path(a["log_dir"]) / f"rank{r['rank']}.log", last_change=time.monotonic())
+        w.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_line(w, f"=== phalanx: job {w.job} generation {w.generation} rank {w.rank} on node {self.node}: "
+                          f"warm standby {sb.id} (pid {w.pid}) adopted {time.strftime('%H:%M:%S')} ===")
+        log.info("warm standby %s (pid %d) became rank %d/%d of job %s generation %d", sb.id, w.pid, w.rank,
+                 a["world_size"], w.job, w.generation)
+        return w
+
+    def _log_line(self, w: Worker, line: str) -> None:
+        try:
+            with open(w.log_path, "ab") as out:
+                out.write((line + "\n").encode())
+        except OSError as err:
+            log.warning("could not write to %s: %s", w.log_path, err)
+
+    # ---- warm standbys --------------------------------------------------------------------------------
+    def _keep_standbys(self, wanted: int) -> None:
+        """Keep `wanted` standby processes (slots 0..wanted-1); stop the rest. Called under the lock."""
+        for slot, sb in list(self.standbys.items()):
+            if sb.proc.poll() is not None:
+                log.warning("warm standby %s exited with %s; next: start another if still wanted", sb.id,
+                            sb.proc.returncode)
+                del self.standbys[slot]
+            elif slot >= wanted:
+                _signal_group(sb.proc.pid, signal.SIGTERM)
+                try:
+                    sb.proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    _signal_group(sb.proc.pid, signal.SIGKILL)
+                    sb.proc.wait()
+                del self.standbys[slot]
+        addr = self.store_addr()
+        if self.work_dir is None or not addr:
+            return
+        for slot in range(wanted):
+            if slot in self.standbys:
+                continue
+            self._standby_seq += 1
+            sid = f"{self.node}.{slot}.{os.getpid()}.{self._standby_seq}"
+            env = {**os.environ, seam.STORE_ADDR: addr, seam.NODE: self.node, seam.LOCAL_RANK: str(slot),
+                   seam.STANDBY_ID: sid, seam.CLUSTER_TOKEN: self.token}
+            with open(self.work_dir / f"standby-{slot}.log", "ab") as out:
+                proc = subprocess.Popen([sys.executable, "-m", seam.TRAIN_WORKER_MODULE, "--standby"], env=env,
+                                        cwd=self.work_dir, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, **_own_process_group())
+            self.standbys[slot] = Standby(sid, slot, proc)
+            log.info("warm standby %s started (pid %d)", sid, proc.pid)
+
+    def standby_ids(self) -> dict[str, str]:
+        with self.lock:
+            return {str(s): sb.id for s, sb in self.standbys.items() if sb.proc.poll() is None}
 
     def _start(self, a: dict, rank: int, local_rank: int) -> Worker:
         placement = seam.WorkerPlacement(
             job_id=a["job"], generation=a["generation"], rank=rank, world_size=a["world_size"],
             local_rank=local_rank, local_world_size=a["local_world_size"], master_addr=a["master_addr"],
             master_port=a["master_port"], store_addr=a["store_addr"], checkpoint_dir=a["checkpoint_dir"],
-            cluster_token=self.token, config_path=a.get("config_path"),
+            cluster_token=self.token, config_path=a.get("config_path"), node=self.node,
+            recovery=a.get("recovery", "restart"),
         )
         env = seam.worker_env(placement, base={**os.environ, **a.get("env", {})})
         log_path = Path(a["log_dir"]) / f"rank{rank}.log"
@@ -265,7 +367,8 @@ class WorkerSupervisor:
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """The agent is exiting: SIGTERM every worker, SIGKILL what is left after `grace_s`."""
         with self.lock:
-            self.desired = set()
+            self._keep_standbys(0)
+            self.desired, self.held = set(), set()
             running = [w for w in self.workers.values() if w.proc is not None and w.state != "exited"]
             for w in running:
                 if w.state == "running":
