@@ -28,6 +28,9 @@ class ModelConfig:
     n_experts: int = 0
     top_k: int = 2
     router_aux_loss_coef: float = 0.02
+    # Expert capacity: None = dropless (every routed pair is computed); a factor f lets each expert take
+    # at most ceil(f × tokens × top_k / n_experts) pairs per call; the overflow pairs are dropped (counted).
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -38,6 +41,10 @@ class ModelConfig:
             )
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"model.top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(
+                f"model.capacity_factor={self.capacity_factor} must be > 0 (or null for dropless routing)"
+            )
 
     @property
     def head_dim(self) -> int:

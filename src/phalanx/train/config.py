@@ -42,6 +42,12 @@ class ModelSection(_Strict):
 class ParallelSection(_Strict):
     dp_replicate: int = Field(1, ge=1, description="replicas (HSDP's replicate degree)")
     dp_shard: int = Field(-1, description="ranks each replica is sharded over (hybrid_shard_degree); -1 = auto")
+    tensor_parallel_degree: int = Field(
+        1, ge=1, description="ranks that split attention heads and MLP columns; world = dp_replicate × dp_shard × tp"
+    )
+    expert_parallel_degree: int = Field(
+        1, ge=1, description="ranks of one shard group that split the MoE experts; divides n_experts and dp_shard"
+    )
 
 
 class DataSection(_Strict):

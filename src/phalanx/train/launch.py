@@ -28,14 +28,13 @@ def free_port() -> int:
 def preflight(config: TrainConfig, nproc: int) -> None:
     """Every check that needs no process group. Raises ConfigError / DataError / ParallelConfigError."""
     from phalanx.data import TokenDataset
-    from phalanx.parallel import ParallelDims
-    from phalanx.train.trainer import check_data_fits_model, resolve_model_config
+    from phalanx.train.trainer import check_data_fits_model, parallel_dims, resolve_model_config
 
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be >= 1")
-    dims = ParallelDims(nproc, config.parallel.dp_replicate, config.parallel.dp_shard)
-    config.grad_accum_steps(dims.dp_size)
     model_config = resolve_model_config(config)
+    dims = parallel_dims(config, nproc, model_config)
+    config.grad_accum_steps(dims.dp_size)
     check_data_fits_model(TokenDataset(config.data.path, split=config.data.split), model_config)
 
 

@@ -27,8 +27,11 @@ from phalanx.models import ModelConfig, Transformer, get_preset
 from phalanx.parallel import (
     ParallelDims,
     apply_activation_checkpointing,
+    apply_ep,
     apply_fsdp,
+    apply_tp,
     build_mesh,
+    clip_grad_norm_,
     dp_rank,
     materialize,
     random_init_source,
@@ -52,6 +55,14 @@ def resolve_model_config(config: TrainConfig) -> ModelConfig:
         return base.with_overrides(**config.model.overrides)
     except TypeError as err:
         raise ConfigError(f"model.overrides: {err}; valid keys: {sorted(base.to_dict())}") from None
+
+
+def parallel_dims(config: TrainConfig, world_size: int, model_config: ModelConfig) -> ParallelDims:
+    """The parallel degrees, validated against the world size and the model (heads for tp, experts for ep)."""
+    p = config.parallel
+    dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree)
+    dims.check_model(n_heads=model_config.n_heads, n_kv_heads=model_config.n_kv_heads, n_experts=model_config.n_experts)
+    return dims
 
 
 def check_data_fits_model(dataset: TokenDataset, model_config: ModelConfig) -> None:
@@ -101,13 +112,13 @@ class Trainer:
         self.config = config
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.dims = ParallelDims(self.world_size, config.parallel.dp_replicate, config.parallel.dp_shard)
+        self.model_config = resolve_model_config(config)
+        self.dims = parallel_dims(config, self.world_size, self.model_config)
         self.accum = config.grad_accum_steps(self.dims.dp_size)
         self.mesh = build_mesh(self.dims, device.type)
         self.dp_rank = dp_rank(self.mesh)
 
         self.dataset = TokenDataset(config.data.path, split=config.data.split)
-        self.model_config = resolve_model_config(config)
         check_data_fits_model(self.dataset, self.model_config)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.dataset),
@@ -142,6 +153,10 @@ class Trainer:
     def _build_model(self) -> Transformer:
         with torch.device("meta"):
             model = Transformer(self.model_config)
+        if self.mesh.tp is not None:
+            apply_tp(model, self.mesh.tp)
+        if self.model_config.is_moe:  # global token counts for the aux loss; experts over ep ranks if ep > 1
+            apply_ep(model, self.mesh)
         ac = self.config.activation_checkpointing
         apply_activation_checkpointing(model, ac.mode, ac.every)
         apply_fsdp(
@@ -241,9 +256,7 @@ class Trainer:
             (loss / self.accum).backward()
             loss_sum += loss.detach()
         max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)  # across FSDP/TP/EP meshes
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
