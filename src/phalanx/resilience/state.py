@@ -40,11 +40,22 @@ class IntegrityError(RuntimeError):
 
 
 def shard_layout(mesh) -> tuple[tuple, tuple]:
-    """(coord, signature) of this rank on `mesh`: its index along each sharding dimension, and their sizes."""
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    coord = tuple((n, mesh.get_local_rank(i)) for i, n in enumerate(names) if n != REPLICA_DIM)
-    signature = tuple((n, mesh.size(i)) for i, n in enumerate(names) if n != REPLICA_DIM)
-    return coord, signature
+    """(coord, signature) of this rank: its index along every dimension that shards the state, and their sizes.
+
+    `mesh` is the trainer's `ParallelMesh` (or a bare DeviceMesh): the data-parallel dims except the replica
+    dim, plus tp when present. Expert parallel groups are consecutive dp_shard ranks, so the dp_shard index
+    already names which experts a rank holds."""
+    meshes = [getattr(mesh, "dp", mesh)]
+    if getattr(mesh, "tp", None) is not None:
+        meshes.append(mesh.tp)
+    coord, signature = [], []
+    for m in meshes:
+        names = m.mesh_dim_names or tuple(f"dim{i}" for i in range(m.ndim))
+        for i, n in enumerate(names):
+            if n != REPLICA_DIM:
+                coord.append((n, m.get_local_rank(i)))
+                signature.append((n, m.size(i)))
+    return tuple(coord), tuple(signature)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

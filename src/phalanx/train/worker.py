@@ -96,12 +96,20 @@ def wait_as_standby() -> None:
     import json
     import time
 
-    import phalanx.resilience.run  # noqa: F401  (the imports are the warm-up)
     import phalanx.train.trainer  # noqa: F401
+    from phalanx.resilience.run import warm_up
+
+    started = time.perf_counter()
+    try:
+        warm_up(select_device()[0])
+    except Exception as err:  # noqa: BLE001 - a warm-up failure only costs speed
+        log.warning("standby warm-up failed (%s: %s); the first step after adoption will be slower",
+                    type(err).__name__, err)
 
     host, port = seam.parse_store_addr(os.environ[seam.STORE_ADDR])
     key = seam.standby_key(os.environ[seam.STANDBY_ID])
-    print(f"standby for {key}: warm (torch {torch.__version__}), waiting", flush=True)
+    print(f"standby for {key}: warm (torch {torch.__version__}, warm-up {time.perf_counter() - started:.2f} s), "
+          "waiting", flush=True)
     store = None
     while True:
         try:
