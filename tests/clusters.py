@@ -4,6 +4,7 @@ any agent, worker or child of theirs survived (even when the test failed), and a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -33,6 +34,9 @@ def home(tmp_path, monkeypatch):
                 tracebacks.append(f"{log}:\n{log.read_text()[-3000:]}")
     errors = []
     for name in list_clusters():
+        if os.environ.get("PHALANX_TEST_KEEP"):  # debugging: keep the cluster's logs and database
+            shutil.copytree(ClusterPaths.for_name(name).root, tmp_path / f"kept-{name}", dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.sock"))
         try:
             delete_cluster(name, timeout_s=15)
         except Exception as err:  # keep cleaning up; reported below

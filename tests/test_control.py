@@ -36,7 +36,10 @@ runner = CliRunner()
 # ---- fixtures and helpers ------------------------------------------------------------------------------
 def write_spec(dir: Path, *, name="c1", count=2, spares=1, script: str | None = "echo configured $PHALANX_NODE_NAME",
                **top) -> Path:
-    group = {"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares}
+    # no warm standbys: they are a checkpointless feature (tests/test_checkpointless.py), and on a 2-core CI host
+    # their torch imports would compete with the heartbeats these tests time
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares,
+             "warm_standby": False}
     if script is not None:
         (dir / "on_create.sh").write_text("#!/bin/sh\n" + script + "\n")
         group["on_create"] = "on_create.sh"

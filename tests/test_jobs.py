@@ -38,9 +38,11 @@ PY = sys.executable
 
 
 # ---- fixtures and helpers ------------------------------------------------------------------------------
-def write_spec(dir: Path, *, name="c1", count=2, spares=1, **health) -> Path:
+def write_spec(dir: Path, *, name="c1", count=2, spares=1, warm_standby=False, **health) -> Path:
+    """A local cluster spec; warm standbys off unless asked (a checkpointless feature, and on a 2-core CI host
+    their torch imports compete with the heartbeats and steps these tests time)."""
     tree = {"name": name, "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": count,
-                                                "spares": spares}],
+                                                "spares": spares, "warm_standby": warm_standby}],
             "health": {"heartbeat_timeout_s": 5.0, "hang_timeout_s": 60.0, **health}}
     path = dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -241,13 +243,13 @@ def test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_
     assert [g["outcome"] for g in gens] == ["app-error"] * 3
     assert gens[0]["nodes"] == gens[1]["nodes"] == gens[2]["nodes"] == ["workers-0", "workers-1"]
     assert len({g["master_port"] for g in gens}) == 3, "a fresh rendezvous port per generation"
-    # the rank that exits first fails the generation and its sibling is stopped, possibly before it printed:
-    # each generation logs one or two "boom"s, and each banner once per rank
+    # the rank that exits first fails the generation and its sibling is stopped, possibly before it printed
+    # or even started: each generation logs one or two banners (one per rank started), and as many "boom"s
     logged = jobs.logs(failing["id"])
-    assert 3 <= logged.count("boom") <= 6 and jobs.logs(failing["id"], rank=0).count("=== phalanx: job") == 3
+    assert 3 <= logged.count("=== phalanx: job") <= 6 and 3 <= logged.count("boom") <= 6, logged
     followed: list[str] = []
     assert jobs.follow(failing["id"], write=followed.append)["state"] == "failed"  # returns: the job is over
-    assert followed == logged.splitlines() and followed[0].startswith("[rank 0] === phalanx: job")
+    assert followed == logged.splitlines() and followed[0].startswith("[rank ") and "=== phalanx: job" in followed[0]
     assert not [e for e in client.events() if e["to_state"] == "faulty"], "an app error replaces nothing"
 
     # kill-worker is the same path: the agent reports the exit, the job restarts on the same nodes

@@ -282,6 +282,8 @@ class JobScheduler:
             log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
             return
         self._note_restored(job, gen)
+        if self._finished_checkpointless(job, gen, rows, now):
+            return
         faults = self._faults(job, gen, rows)
         if not faults:
             return
@@ -294,6 +296,27 @@ class JobScheduler:
         self.records.transition(job.id, J.RECOVERING, f"generation {gen.generation} stopping: {first}")
         log.warning("job %s generation %d: %s; next: stop its other workers, then restart or fail the job by the "
                     "fault policy", job.id, gen.generation, first)
+
+    def _finished_checkpointless(self, job: Job, gen: Generation, rows: list[WorkerRecord], now: float) -> bool:
+        """Checkpointless: once rank 0 has said training finished (every rank past the last step and the final
+        checkpoint), a rank that dies on its way out loses nothing: wait for all to exit, then succeed."""
+        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
+            return False
+        try:
+            if not self.rendezvous.check([seam.finished_key(job.id)]):
+                return False
+        except RuntimeError:
+            return False
+        if not all(w.state == "exited" for w in rows):
+            return True  # the others are on their way out
+        bad = [f"rank {w.rank} {w.detail}" for w in rows if w.exit_code != 0]
+        done = "training finished" + (f" (then {'; '.join(bad)} on the way out)" if bad else "")
+        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome="succeeded",
+                                       end_reason=done)
+        step = self.records.job(job.id).last_step
+        self.records.transition(job.id, J.SUCCEEDED, done + (f" (last step {step})" if step is not None else ""))
+        log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
+        return True
 
     @staticmethod
     def _recoverable_in_place(fault: dict) -> bool:

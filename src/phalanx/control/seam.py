@@ -158,6 +158,12 @@ def recovered_key(job_id: str, generation: int) -> str:
     return f"{generation_prefix(job_id, generation)}/recovered"
 
 
+def finished_key(job_id: str) -> str:
+    """Checkpointless: set by rank 0 once every rank has completed the last step and its final checkpoint —
+    an exit after that (however it ends) loses nothing, and the controller ends the job instead of recovering."""
+    return f"{job_id}/finished"
+
+
 def standby_key(standby_id: str) -> str:
     """Where the warm standby worker `standby_id` waits for the env of the rank it must become. Ids are
     unique (node, slot, sequence): a key is only ever read by the process it was written for."""

@@ -126,6 +126,9 @@ class Membership:
         dist.init_process_group(backend, store=prefixed, rank=p.rank, world_size=p.world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
+    def report_finished(self, step: int) -> None:
+        self.store.set(seam.finished_key(self.job_id), json.dumps({"step": step, "time": time.time()}))
+
     def report_recovered(self, generation: int, summary: dict) -> None:
         self.store.set(seam.recovered_key(self.job_id, generation), json.dumps(summary))
 

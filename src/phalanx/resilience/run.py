@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.control import seam
+from phalanx.resilience.drill import Drill
 from phalanx.resilience.membership import Membership, NotInGeneration, Superseded
 from phalanx.resilience.plan import LIVE, Copy, Holding, choose_plan
 from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
@@ -170,6 +171,7 @@ class CheckpointlessRun:
         self.trainer = None
         self.snapshots: BuddySnapshots | None = None
         self.marks: dict[str, float] = {"started": self.process_started_at}  # when each phase ended (wall)
+        self.drill = Drill(config.resilience.drill, int(env.get("RANK", "0")), self.generation)
         # Modules, config, data index: long-lived. Frozen, the collection that releases a generation's groups
         # after a fault scans only what that generation built (tenths of a second less on the critical path).
         gc.collect()
@@ -241,11 +243,14 @@ class CheckpointlessRun:
         marks["arrived"] = time.time()
         self.membership.init_process_group(placement, self.backend, self.config.pg_timeout_s)
         marks["pg"] = time.time()
+        if self.fault is not None:
+            self.drill.at_regroup()
         if self.reporter is not None:
             self.reporter.switch(generation, placement.rank)
         self.trainer = trainer = Trainer(self.config, self.device, init_weights=False)
         marks["trainer"] = time.time()
         self.restore(trainer, placement)
+        self.drill.install(trainer)
         self.membership.watch(generation)
         if self.settings.snapshot_interval and self.config.parallel.dp_replicate == 1:
             self.snapshots = BuddySnapshots(trainer, self.shelf, interval=self.settings.snapshot_interval,
@@ -263,8 +268,13 @@ class CheckpointlessRun:
                 self.snapshots.after_step()
         if self.snapshots is not None:
             self.snapshots.wait()
-        trainer.finish()
+        trainer.finish()  # the final checkpoint is committed on every rank
         trainer.metrics.close()
+        if dist.get_rank() == 0:
+            try:
+                self.membership.report_finished(trainer.progress.step)
+            except (RuntimeError, OSError) as err:
+                log.warning("could not tell the controller that training finished (%s)", err)
 
     # ---- agreement and restore -------------------------------------------------------------------------------
     def restore(self, trainer, placement) -> None:

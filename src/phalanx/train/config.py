@@ -95,6 +95,21 @@ class CheckpointSection(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class FaultDrill(_Strict):
+    """A fault drill: worker `rank` kills its own process (SIGKILL, no cleanup) at one moment of training, as a
+    crash there would. It fires only in a process of the job's first generation, once. For tests and drills of
+    the recovery path; `phalanx fault inject` covers faults at an arbitrary wall-clock moment."""
+
+    rank: int = Field(ge=0, description="the rank that dies (its rank in the first generation)")
+    step: int = Field(1, ge=1, description="the step during which it dies (the step being computed, or saved)")
+    at: Literal["forward", "backward", "optimizer", "checkpoint", "regroup"] = Field(
+        description="forward: inside the last block's forward; backward: inside the first block's backward "
+                    "(after later blocks' gradients were reduced); optimizer: right after its own optimizer "
+                    "update, before the step is counted; checkpoint: as the checkpoint of `step` starts "
+                    "(peers are inside the save); regroup: while regrouping after the first fault (a second "
+                    "failure during recovery; `step` unused)")
+
+
 class ResilienceSection(_Strict):
     """How a job on a Phalanx cluster recovers from a failed node or process (`phalanx job submit`)."""
 
@@ -107,6 +122,8 @@ class ResilienceSection(_Strict):
                                                                "generation before giving up (exit 3)")
     regroup_timeout_s: float = Field(120.0, gt=0, description="how long a generation waits for all its ranks "
                                                               "to arrive")
+    drill: FaultDrill | None = Field(None, description="kill one worker at a chosen moment (checkpointless "
+                                                       "jobs; see FaultDrill)")
 
 
 class TrainConfig(_Strict):

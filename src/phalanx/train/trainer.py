@@ -255,21 +255,22 @@ class Trainer:
             loss, _aux = self.model(tokens, tokens)
             (loss / self.accum).backward()
             loss_sum += loss.detach()
+        # Mean loss over the global batch (every data-parallel rank contributes equally), reduced before the
+        # update: after it there is no collective left in the step, so a peer's fault surfaces before this
+        # rank commits a step it could not log.
+        loss_mean = loss_sum / self.accum
+        dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM)
+        loss_mean /= self.world_size
         max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)  # across FSDP/TP/EP meshes
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # The update is applied: from here on, this rank's state *is* the next step's (a fault in the loss
-        # reduction below must not leave parameters and counters disagreeing).
+        # The update is applied: from here on, this rank's state *is* the next step's.
         self.progress.step += 1
         self.progress.samples_consumed += cfg.training.global_batch_size
 
-        # Mean loss over the global batch (every data-parallel rank contributes equally).
-        loss_mean = loss_sum / self.accum
-        dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM)
-        loss_mean /= self.world_size
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start

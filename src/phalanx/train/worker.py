@@ -48,10 +48,17 @@ def run(config_tree: dict) -> int:
         from phalanx.resilience.run import run_checkpointless
 
         try:
-            return run_checkpointless(config, device, backend)
+            code = run_checkpointless(config, device, backend)
         except (ConfigError, DataError, ParallelConfigError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
-            return 2
+            code = 2
+        # Everything is saved and released. Skip interpreter teardown: a process that lived through several
+        # generations (or a warm standby) can still hold C++ threads of torch.distributed objects whose
+        # destructors abort at exit, which would turn a finished run into a "crash".
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
     if config.resilience.recovery == seam.CHECKPOINTLESS:
         log.warning("resilience.recovery=checkpointless needs a Phalanx cluster (phalanx job submit); without "
                     "one a failure ends the run and a restart resumes from the newest checkpoint")

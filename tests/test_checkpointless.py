@@ -1,0 +1,184 @@
+"""Checkpointless recovery on a local cluster, with real processes: survivors keep their processes and their
+state, the replacement restores from a peer's memory (the other HSDP replica, or a buddy snapshot without
+replicas), and training continues with the same loss at every step as a run without failures (CPU, fp32:
+bit-exact). Faults land at different moments — a killed node, and a worker killing itself inside forward,
+inside backward, after its optimizer update, as a checkpoint starts, and during the regroup after a first
+fault — and when both replicas of a shard are lost the job falls back to the disk checkpoint and says so.
+
+The failure-free reference is the same config trained by `phalanx train --nproc 4` (same ranks, same gloo).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from clusters import home, wait_for  # noqa: F401  (home is a fixture)
+from conftest import run_training, tiny_config
+from phalanx.control.cluster import ClusterClient, create_cluster
+from phalanx.control.jobs import JobClient
+from test_jobs import step_at_least, write_config, write_spec
+
+pytestmark = pytest.mark.slow
+
+STEPS = 48
+HSDP = {"dp_replicate": 2, "dp_shard": 2}
+FSDP = {"dp_replicate": 1, "dp_shard": 4}
+
+
+def config_for(run_dir: Path, data: Path, parallel: dict, drill: dict | None = None):
+    resilience = {"recovery": "checkpointless", "regroup_timeout_s": 60.0, "recovery_timeout_s": 120.0}
+    if drill is not None:
+        resilience["drill"] = drill
+    return tiny_config(run_dir, data, parallel=parallel, resilience=resilience,
+                       training={"max_steps": STEPS, "log_interval": 8},
+                       lr_schedule={"warmup_steps": 3, "total_steps": STEPS},
+                       checkpoint={"interval": 10, "keep": 10})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_data) -> dict[str, dict[int, float]]:
+    """Loss per step of the failure-free runs (HSDP 2×2 and FSDP 4), trained by `phalanx train --nproc 4`."""
+    out = {}
+    for name, parallel in (("hsdp", HSDP), ("fsdp", FSDP)):
+        steps = run_training(config_for(tmp_path_factory.mktemp(f"ref-{name}"), demo_data, parallel), 4)
+        out[name] = {s["step"]: s["loss"] for s in steps}
+        assert sorted(out[name]) == list(range(1, STEPS + 1))
+    return out
+
+
+def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """Every step record (a step redone after a rollback appears again) and every event of metrics.jsonl."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "event" not in r], [r for r in lines if "event" in r]
+
+
+def assert_same_losses(run_dir: Path, reference: dict[int, float], where: str = "") -> list[dict]:
+    steps, events = records(run_dir)
+    missing = set(reference) - {s["step"] for s in steps}
+    assert not missing, f"{where}: steps never logged: {sorted(missing)}"
+    diverged = [(s["step"], s["loss"], reference[s["step"]]) for s in steps if s["loss"] != reference[s["step"]]]
+    assert not diverged, f"{where}: loss differs from the failure-free run at (step, loss, reference): {diverged[:5]}"
+    return events
+
+
+def submit(jobs: JobClient, tmp_path: Path, config, name: str) -> dict:
+    job = jobs.submit(write_config(tmp_path / f"{name}.yaml", config), nodes=4, auto_resume=True, name=name)
+    assert job["recovery"] == "checkpointless"
+    return job
+
+
+def pids_by_rank(info: dict, generation: int) -> dict[int, int]:
+    return {w["rank"]: w["pid"] for w in info["workers"] if w["generation"] == generation}
+
+
+# ---- a killed node: survivors keep their processes, the spare's warm standby takes the rank -------------------
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp"])
+def test_killed_node_recovers_from_peers_memory_with_the_same_loss_at_every_step(tmp_path, home, demo_data,
+                                                                                reference, layout):
+    create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True), timeout_s=90)
+    jobs, client = JobClient("c1"), ClusterClient("c1")
+    run_dir = tmp_path / "run"
+    submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP if layout == "hsdp" else FSDP), "cl")
+    step_at_least(jobs, "cl", 14)
+    victim = jobs.describe("cl")["generations"][0]["nodes"][1]
+    client.inject_fault(victim, "kill-node")
+    info = jobs.wait("cl", timeout_s=180)
+
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    first, second = info["generations"]
+    assert first["outcome"] == "node-fault" and second["outcome"] == "succeeded"
+    assert second["nodes"] == [n if n != victim else "workers-4" for n in first["nodes"]]
+    # the survivors are the same processes; rank 1 is the spare's warm standby, adopted
+    before, after = pids_by_rank(info, 1), pids_by_rank(info, 2)
+    assert {r: after[r] for r in (0, 2, 3)} == {r: before[r] for r in (0, 2, 3)} and after[1] != before[1]
+    assert second["standbys"].get("1"), "the replacement rank was a warm standby"
+
+    events = assert_same_losses(run_dir, reference[layout])
+    kinds = [e["event"] for e in events]
+    for kind in ("fault_detected", "generation", "pg_rebuilt", "state_restored", "resumed"):
+        assert kind in kinds, f"no {kind} event in metrics.jsonl: {kinds}"
+    restored = next(e for e in events if e["event"] == "state_restored")
+    resumed = next(e for e in events if e["event"] == "resumed")
+    fault = next(e for e in events if e["event"] == "fault_detected")
+    assert restored["bytes"] > 0 and restored["seconds"] > 0
+    if layout == "hsdp":  # the other replica holds every committed step: nothing is lost
+        assert restored["source"] == "peer-memory" and resumed["steps_lost"] == 0
+    else:  # no replica: everyone rolls back to the newest buddy snapshot every shard has (taken every step)
+        assert restored["source"] == "buddy-snapshot" and 0 <= resumed["steps_lost"] <= 2
+    assert resumed["step"] == fault["step"] - resumed["steps_lost"] and resumed["recovery"] == "checkpointless"
+    assert second["restored"]["source"] == restored["source"], "the controller recorded the restore"
+    assert any(e["kind"] == "state_restored" and restored["source"] in e["reason"] for e in info["events"]), \
+        [(e["kind"], e["reason"]) for e in info["events"]]
+
+
+# ---- faults at chosen moments, then a second fault during the regroup -------------------------------------------
+MOMENTS = [  # (layout, drill): rank 1 or 2 dies there; each must continue exactly or fall back cleanly
+    ("hsdp", {"rank": 1, "step": 17, "at": "forward"}),
+    ("fsdp", {"rank": 2, "step": 17, "at": "backward"}),
+    ("hsdp", {"rank": 2, "step": 17, "at": "optimizer"}),
+    ("fsdp", {"rank": 1, "step": 20, "at": "checkpoint"}),
+]
+
+
+def test_a_worker_dying_at_any_moment_of_a_step_continues_exactly(tmp_path, home, demo_data, reference):
+    create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True), timeout_s=90)
+    jobs = JobClient("c1")
+    for i, (layout, drill) in enumerate(MOMENTS):
+        run_dir = tmp_path / f"run-{drill['at']}"
+        name = f"drill-{drill['at']}"
+        submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP if layout == "hsdp" else FSDP, drill), name)
+        info = jobs.wait(name, timeout_s=180)
+        where = f"{layout}, rank {drill['rank']} killed during {drill['at']} of step {drill['step']}"
+        assert info["state"] == "succeeded" and info["last_step"] == STEPS, (where, info["reason"])
+        first, second = info["generations"]
+        assert first["outcome"] == "process-fault", (where, first)
+        assert second["nodes"] == first["nodes"], "a process fault keeps the node: the rank restarts there"
+        events = assert_same_losses(run_dir, reference[layout], where)
+        restored = next(e for e in events if e["event"] == "state_restored")
+        expected = "peer-memory" if layout == "hsdp" else "buddy-snapshot"
+        assert restored["source"] == expected, (where, restored)
+        log = jobs.logs(name, rank=drill["rank"])
+        assert f"SIGKILL during {drill['at']}" in log, (where, log[-2000:])
+
+
+def test_a_second_fault_while_regrouping_ends_in_a_correct_continuation(tmp_path, home, demo_data, reference):
+    create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True), timeout_s=90)
+    jobs, client = JobClient("c1"), ClusterClient("c1")
+    run_dir = tmp_path / "run"
+    submit(jobs, tmp_path, config_for(run_dir, demo_data, FSDP, {"rank": 2, "at": "regroup"}), "twice")
+    step_at_least(jobs, "twice", 14)
+    client.inject_fault(jobs.describe("twice")["generations"][0]["nodes"][1], "kill-node")
+    info = jobs.wait("twice", timeout_s=240)
+
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    outcomes = [g["outcome"] for g in info["generations"]]
+    assert outcomes[0] == "node-fault" and outcomes[-1] == "succeeded" and len(outcomes) >= 3, outcomes
+    assert "SIGKILL while regrouping" in jobs.logs("twice", rank=2)
+    events = assert_same_losses(run_dir, reference["fsdp"])
+    sources = [e["source"] for e in events if e["event"] == "state_restored"]
+    assert sources and set(sources) <= {"buddy-snapshot", "checkpoint"}, sources
+
+
+# ---- both replicas of a shard lost: the disk checkpoint, said so -----------------------------------------------
+def test_losing_both_replicas_of_a_shard_falls_back_to_the_checkpoint(tmp_path, home, demo_data, reference):
+    create_cluster(write_spec(tmp_path, count=4, spares=2, warm_standby=True), timeout_s=90)
+    jobs, client = JobClient("c1"), ClusterClient("c1")
+    run_dir = tmp_path / "run"
+    submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP), "both")
+    step_at_least(jobs, "both", 14)
+    nodes = jobs.describe("both")["generations"][0]["nodes"]
+    for victim in (nodes[1], nodes[3]):  # ranks 1 and 3: shard 1 of replica 0 and of replica 1
+        client.inject_fault(victim, "kill-node")
+    info = jobs.wait("both", timeout_s=240)
+
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    events = assert_same_losses(run_dir, reference["hsdp"])
+    restored = [e for e in events if e["event"] == "state_restored"]
+    assert restored and restored[-1]["source"] == "checkpoint", restored
+    assert "no step is held for every shard" in restored[-1]["reason"], restored
+    resumed = [e for e in events if e["event"] == "resumed"][-1]
+    saved = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e["time"] < restored[-1]["time"]]
+    assert resumed["step"] == max(saved), (resumed, saved)
