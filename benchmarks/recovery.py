@@ -1,5 +1,6 @@
-"""What one node failure costs a training job: Phalanx's restart-from-checkpoint recovery, with torchrun's
-`--max-restarts` on the same job as the baseline, run side by side (interleaved A B A B).
+"""What one node failure costs a training job, three ways on the same job and the same failure step, run side
+by side (interleaved): Phalanx checkpointless recovery, Phalanx restart-from-checkpoint, and torchrun's
+`--max-restarts` as the outside baseline. Plus the steady-state cost of buddy snapshots (tokens/s on vs off).
 
 The job: the tiny Llama preset (fp32, vocab 512, 64-token blocks of the bundled demo corpus), 4 ranks,
 global batch 8, micro batch 2, a checkpoint every `--interval` steps (default 50, synchronous), `--steps`
@@ -11,6 +12,9 @@ SIGKILLed the moment rank 0 logs that step:
             on rank 1's node (SIGKILL to the node's agent and its worker). The controller marks the node
             faulty, stops the other ranks, promotes the spare and starts a new generation, which resumes
             from the newest checkpoint.
+  checkpointless  the same cluster and kill, the job submitted with `--recovery checkpointless` (FSDP over
+            4 ranks, no replica: buddy snapshots every step). Survivors keep their processes and regroup; the
+            spare's warm standby takes rank 1 and restores from its buddy's snapshot.
   torchrun  `torchrun --standalone --nproc-per-node 4 --max-restarts 1 --monitor-interval 0.1 -m
             phalanx.train.worker` (the same worker and config); rank 1's process is SIGKILLed; torchrun's
             agent stops the group and restarts all 4 workers, which resume from the same checkpoint.
@@ -22,6 +26,12 @@ Figures per run (see `phalanx.train.timeline`; times from the kill, taken just b
   steps_lost     committed steps computed again (last step before the kill − the checkpoint resumed from)
   downtime_s     wall time lost vs a failure-free run: from the last step before the kill until training got
                  past it again, minus one normal step (median step time before the kill)
+  stall_s        checkpointless: kill → the survivors' next committed step, minus one normal step
+  rejoin_s       checkpointless: the replacement's activation (a warm standby adopted as rank 1; its process
+                 was spawned ahead, torch imported) → its first committed step (the job's next step)
+
+Snapshot overhead (`--overhead-runs`, default 3): the same job without a failure on the same cluster, with
+`resilience.snapshot_interval` 1 vs 0, interleaved; median tokens/s after warm-up, ratio on ÷ off.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py --runs 5
 """
@@ -44,7 +54,7 @@ from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
 from phalanx.train.timeline import recovery_figures  # noqa: E402
 
 NODES = 4
-FIGURES = ("detect_s", "restart_s", "first_step_s", "steps_lost", "downtime_s")
+FIGURES = ("detect_s", "restart_s", "first_step_s", "steps_lost", "downtime_s", "stall_s", "rejoin_s")
 
 
 def job_tree(run_dir: Path, data: Path, steps: int, interval: int) -> dict:
@@ -84,8 +94,13 @@ def wait_for_step(metrics: Path, step: int, proc_alive, timeout_s: float = 600) 
 # ---- phalanx: a local cluster, kill-node, auto-resume --------------------------------------------------
 class PhalanxHarness:
     name = "phalanx"
+    recovery = "restart"
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, cluster: "PhalanxHarness | None" = None):
+        if cluster is not None:  # share another harness's cluster
+            self.client, self.jobs, self.owner = cluster.client, cluster.jobs, False
+            return
+        self.owner = True
         from phalanx.control.cluster import ClusterClient, create_cluster
         from phalanx.control.jobs import JobClient
 
@@ -99,7 +114,13 @@ class PhalanxHarness:
         self.client, self.jobs = ClusterClient("bench"), JobClient("bench")
 
     def spare_ready(self) -> bool:
-        return any(n["is_spare"] and n["state"] == "healthy" for n in self.client.nodes())
+        """A healthy spare; for checkpointless, also its warm standby, warmed up."""
+        spares = [n for n in self.client.nodes() if n["is_spare"] and n["state"] == "healthy"]
+        if self.recovery != "checkpointless":
+            return bool(spares)
+        from phalanx.demo import spare_standby_warm
+
+        return bool(spares) and spare_standby_warm(self.client)
 
     def run(self, tree: dict, fail_step: int) -> dict:
         from phalanx.train.config import config_from_dict
@@ -110,7 +131,8 @@ class PhalanxHarness:
                 raise TimeoutError("the spare pool was not refilled within 120 s")
             time.sleep(0.2)
         run_dir = Path(tree["run_dir"])
-        job = self.jobs.submit(config_from_dict(tree), nodes=NODES, auto_resume=True, name=run_dir.name)
+        job = self.jobs.submit(config_from_dict(tree), nodes=NODES, auto_resume=True, name=run_dir.name,
+                               recovery=self.recovery)
         wait_for_step(run_dir / "metrics.jsonl", fail_step,
                       lambda: self.jobs.describe(job["id"])["state"] in ("pending", "running"))
         victim = self.jobs.describe(job["id"])["generations"][-1]["nodes"][1]
@@ -122,15 +144,46 @@ class PhalanxHarness:
                                f"{info['reason']}")
         faulty = [e["time"] for e in self.client.events(node=victim) if e.get("to_state") == "faulty"]
         figures = recovery_figures(run_dir / "metrics.jsonl", killed_at)
-        return {"detect_s": faulty[0] - killed_at, "restart_s": info["generations"][1]["started_at"] - killed_at,
-                "first_step_s": figures.first_step_after_s, "steps_lost": figures.steps_lost,
-                "downtime_s": figures.downtime_s, "normal_step_s": figures.normal_step_s,
-                "last_step": figures.last_step, "resumed_step": figures.resumed_step, "victim": victim}
+        out = {"detect_s": faulty[0] - killed_at, "restart_s": info["generations"][1]["started_at"] - killed_at,
+               "first_step_s": figures.first_step_after_s, "steps_lost": figures.steps_lost,
+               "downtime_s": figures.downtime_s, "normal_step_s": figures.normal_step_s,
+               "last_step": figures.last_step, "resumed_step": figures.resumed_step, "victim": victim}
+        if self.recovery == "checkpointless":
+            events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            generation = next(e for e in events if e.get("event") == "generation")
+            restored = next(e for e in events if e.get("event") == "state_restored")
+            if restored["source"] == "checkpoint":
+                raise RuntimeError(f"job {job['id']}: fell back to the checkpoint ({restored['reason']})")
+            activated = generation["rejoin_started_at"]
+            first_after = killed_at + figures.first_step_after_s
+            out.update(stall_s=figures.first_step_after_s - figures.normal_step_s,
+                       rejoin_s=first_after - activated if activated else None,
+                       restore_source=restored["source"], restore_bytes=restored["bytes"],
+                       restore_s=restored["seconds"], standby=bool(info["generations"][1]["standbys"]))
+        return out
+
+    def steady_tokens_per_s(self, tree: dict, warmup: int = 10) -> float:
+        """A failure-free run of `tree` on the cluster: median tokens/s after `warmup` steps."""
+        from phalanx.train.config import config_from_dict
+
+        run_dir = Path(tree["run_dir"])
+        job = self.jobs.submit(config_from_dict(tree), nodes=NODES, name=run_dir.name, recovery=self.recovery)
+        info = self.jobs.wait(job["id"], timeout_s=600)
+        if info["state"] != "succeeded":
+            raise RuntimeError(f"job {job['id']}: {info['state']}: {info['reason']}")
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return median([s["tokens_per_s"] for s in steps if "event" not in s][warmup:])
 
     def close(self) -> None:
         from phalanx.control.cluster import delete_cluster
 
-        delete_cluster("bench", timeout_s=30)
+        if self.owner:
+            delete_cluster("bench", timeout_s=30)
+
+
+class CheckpointlessHarness(PhalanxHarness):
+    name = "checkpointless"
+    recovery = "checkpointless"
 
 
 # ---- torchrun: --max-restarts, the same worker and config ---------------------------------------------
@@ -206,35 +259,55 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--interval", type=int, default=50, help="checkpoint interval (steps)")
     parser.add_argument("--fail-step", type=int, default=75, help="kill one rank when rank 0 logs this step")
-    parser.add_argument("--harness", default="phalanx,torchrun", help="comma-separated: phalanx, torchrun")
+    parser.add_argument("--harness", default="checkpointless,phalanx,torchrun",
+                        help="comma-separated: checkpointless, phalanx (restart from checkpoint), torchrun")
+    parser.add_argument("--overhead-runs", type=int, default=3, help="snapshot on/off pairs (0: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "recovery.json")
     args = parser.parse_args()
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
 
     root = Path(tempfile.mkdtemp(prefix="phalanx-recovery-"))
     data = prepare_data(root)
-    kinds = {"phalanx": PhalanxHarness, "torchrun": TorchrunHarness}
-    harnesses = [kinds[name](root) for name in args.harness.split(",")]
+    names = args.harness.split(",")
+    harnesses, cluster = [], None
+    for name in names:
+        if name in ("phalanx", "checkpointless"):
+            h = (CheckpointlessHarness if name == "checkpointless" else PhalanxHarness)(root, cluster)
+            cluster = cluster or h
+        else:
+            h = TorchrunHarness(root)
+        harnesses.append(h)
     samples: dict[str, list[dict]] = {h.name: [] for h in harnesses}
+    overhead: dict[str, list[float]] = {"snapshots_on": [], "snapshots_off": []}
     try:
         for i in range(args.runs):
             for h in harnesses:
                 tree = job_tree(root / f"{h.name}-{i}", data, args.steps, args.interval)
                 sample = h.run(tree, args.fail_step)
                 samples[h.name].append(sample)
-                print(f"run {i + 1}/{args.runs} {h.name:>8}: " + "  ".join(
+                print(f"run {i + 1}/{args.runs} {h.name:>14}: " + "  ".join(
                     f"{k} {sample[k]:.2f}" if isinstance(sample[k], float) else f"{k} {sample[k]}"
                     for k in (*FIGURES, "normal_step_s") if k in sample), flush=True)
+        ckl = next((h for h in harnesses if h.name == "checkpointless"), None)
+        for i in range(args.overhead_runs if ckl is not None else 0):
+            for interval in ((1, 0) if i % 2 == 0 else (0, 1)):
+                tree = job_tree(root / f"overhead-{i}-{interval}", data, args.steps, args.interval)
+                tree["resilience"] = {"snapshot_interval": interval}
+                tps = ckl.steady_tokens_per_s(tree)
+                overhead["snapshots_on" if interval else "snapshots_off"].append(tps)
+                print(f"overhead {i + 1}/{args.overhead_runs}: snapshot_interval={interval}: {tps:,.0f} tokens/s",
+                      flush=True)
     finally:
-        for h in harnesses:
+        for h in reversed(harnesses):
             h.close()
 
-    medians = {name: {k: median([s[k] for s in runs]) for k in (*FIGURES, "normal_step_s") if k in runs[0]}
+    columns = (*FIGURES, "normal_step_s")
+    medians = {name: {k: median([s[k] for s in runs]) for k in columns if runs[0].get(k) is not None}
                for name, runs in samples.items() if runs}
     print(f"\nmedians of {args.runs} runs (s; steps_lost in steps):")
-    print(f"{'':>10} " + " ".join(f"{k:>13}" for k in (*FIGURES, "normal_step_s")))
+    print(f"{'':>14} " + " ".join(f"{k:>13}" for k in columns))
     for name, m in medians.items():
-        print(f"{name:>10} " + " ".join(f"{m[k]:>13.3f}" if k in m else f"{'-':>13}" for k in (*FIGURES, "normal_step_s")))
+        print(f"{name:>14} " + " ".join(f"{m[k]:>13.3f}" if k in m else f"{'-':>13}" for k in columns))
 
     summary = {}
     if "phalanx" in medians:
@@ -242,19 +315,31 @@ def main() -> None:
         summary.update(detect_s=m["detect_s"], restart_downtime_s=m["downtime_s"],
                        restart_steps_lost=m["steps_lost"], restart_first_step_s=m["first_step_s"],
                        restart_spare_in_service_s=m["restart_s"])
+    if "checkpointless" in medians:
+        m = medians["checkpointless"]
+        summary.update(checkpointless_downtime_s=m["downtime_s"], survivor_stall_s=m["stall_s"],
+                       rejoin_s=m["rejoin_s"], checkpointless_steps_lost=m["steps_lost"],
+                       checkpointless_detect_s=m["detect_s"])
+        summary.setdefault("detect_s", m["detect_s"])
     if "torchrun" in medians:
         m = medians["torchrun"]
         summary.update(torchrun_downtime_s=m["downtime_s"], torchrun_steps_lost=m["steps_lost"],
                        torchrun_first_step_s=m["first_step_s"])
     if "phalanx" in medians and "torchrun" in medians:
         summary["restart_downtime_ratio_vs_torchrun"] = medians["phalanx"]["downtime_s"] / medians["torchrun"]["downtime_s"]
+    if "phalanx" in medians and "checkpointless" in medians:
+        summary["downtime_ratio"] = medians["checkpointless"]["downtime_s"] / medians["phalanx"]["downtime_s"]
+    if overhead["snapshots_on"] and overhead["snapshots_off"]:
+        on, off = median(overhead["snapshots_on"]), median(overhead["snapshots_off"])
+        summary.update(snapshot_tokens_per_s_on=on, snapshot_tokens_per_s_off=off, snapshot_throughput_ratio=on / off)
+        print(f"buddy snapshots every step: {on:,.0f} vs {off:,.0f} tokens/s off (ratio {on / off:.3f})")
     path = write_results(args.out, {
         "benchmark": "recovery",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py " + " ".join(sys.argv[1:]),
         "config": {"nodes": NODES, "steps": args.steps, "checkpoint_interval": args.interval,
                    "fail_step": args.fail_step, "job": job_tree(Path("<run_dir>"), Path("<data>"), args.steps,
                                                                 args.interval)},
-        "samples": samples, "medians": medians,
+        "samples": samples, "medians": medians, "snapshot_overhead_tokens_per_s": overhead,
         "summary": {k: round(v, 4) for k, v in summary.items()},
     })
     print(f"\nsummary: {json.dumps(summary)}\nwrote {path}")

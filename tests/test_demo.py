@@ -60,10 +60,14 @@ def test_demo_kills_a_node_halfway_and_the_job_recovers_on_the_spare(tmp_path, h
     assert summary["state"] == "succeeded" and summary["steps"] == 12 and summary["generations"] == 2
     assert summary["failed_node"] == "workers-1" and summary["nodes_replaced"] == ["workers-1 → workers-2"]
     assert summary["spare_pool"] == ["workers-3"], "the spare pool was refilled"
-    assert summary["last_step"] >= 6 and summary["resumed_step"] % 3 == 0
-    assert summary["steps_lost"] == summary["last_step"] - summary["resumed_step"] >= 0
+    # checkpointless by default: no checkpoint involved, the state came from the buddy's snapshot (FSDP recipe)
+    assert summary["last_step"] >= 6 and summary["restored_from"] == "buddy-snapshot", summary
+    assert summary["steps_lost"] == summary["last_step"] - summary["resumed_step"] and 0 <= summary["steps_lost"] <= 2
     assert 0 <= summary["fault_detected_s"] <= summary["restarted_s"] <= summary["first_step_after_s"]
-    assert summary["downtime_s"] > 0
+    assert summary["survivor_stall_s"] == pytest.approx(summary["first_step_after_s"] - summary["normal_step_s"],
+                                                        abs=1e-3)
+    assert summary["rejoin_s"] > 0 and summary["restored_bytes"] > 0
     out = console.export_text()
     assert "what the failure cost" in out and "workers-1 → workers-2" in out and "deleting the cluster" in out
+    assert "survivor stall" in out and "replacement rejoin" in out and "steps lost" in out
     assert list_clusters() == [], "the demo deletes its cluster"

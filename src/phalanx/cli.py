@@ -74,6 +74,8 @@ def demo(
     run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="where the run, its checkpoints and the "
                                  "demo cluster's state go"),
     nodes: int = typer.Option(4, "--nodes", min=2, help="worker nodes (one training process each), plus 1 spare"),
+    recovery: str = typer.Option("checkpointless", "--recovery", help="checkpointless (survivors keep running, "
+                                 "state from peers' memory) or restart (everyone restarts from the checkpoint)"),
     overrides: list[str] = typer.Argument(None, help="config overrides, key=value"),
 ) -> None:
     """Create a local cluster, train RECIPE with auto-resume, kill a node halfway, show the recovery, delete it."""
@@ -84,7 +86,9 @@ def demo(
     from phalanx.train.config import ConfigError
 
     try:
-        run_demo(recipe, run_dir, nodes=nodes, overrides=list(overrides or []))
+        if recovery not in ("checkpointless", "restart"):
+            raise JobError(f"--recovery {recovery!r}: choose checkpointless or restart")
+        run_demo(recipe, run_dir, nodes=nodes, overrides=list(overrides or []), recovery=recovery)
     except (ConfigError, DataError, ClusterError, JobError, RuntimeError) as err:
         err_console.print(f"[red]error:[/] {err}")
         raise typer.Exit(1) from None

@@ -2,13 +2,16 @@
 
 Creates a local cluster (N worker nodes + 1 spare, each node an agent process), submits a training recipe
 with auto-resume, SIGKILLs one node halfway through (the same `kill-node` fault an operator injects), shows
-the controller detecting it, promoting the spare and restarting the job from its newest checkpoint, then
-prints what the failure cost and deletes the cluster. The cluster's state lives under `<run_dir>/home`
+the controller detecting it and putting the spare in service, then prints what the failure cost and deletes
+the cluster. Recovery is checkpointless by default: the surviving workers keep their processes and regroup,
+the spare's warm standby takes the lost rank and restores its state from a peer's memory; with
+`recovery="restart"` every worker restarts from the newest checkpoint instead. The cluster's state lives under `<run_dir>/home`
 (its PHALANX_HOME), so the demo never touches your own clusters.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -40,6 +43,16 @@ def write_cluster_spec(root: Path, nodes: int, spares: int) -> Path:
     return path
 
 
+def spare_standby_warm(client: ClusterClient) -> bool:
+    """A healthy spare whose warm standby worker has finished warming up (its log says it is waiting)."""
+    for n in client.nodes():
+        if n["is_spare"] and n["state"] == "healthy" and n.get("work_dir"):
+            log = Path(n["work_dir"]) / "standby-0.log"
+            if log.exists() and "waiting" in log.read_text(errors="replace"):
+                return True
+    return False
+
+
 class Narrator:
     def __init__(self, console: Console):
         self.console, self.t0, self.seen_event, self.told = console, time.monotonic(), 0, set()
@@ -60,7 +73,7 @@ class Narrator:
 
 
 def run_demo(recipe: Path, run_dir: Path, *, nodes: int = 4, overrides: list[str] = (),
-             console: Console | None = None) -> dict:
+             recovery: str = "checkpointless", console: Console | None = None) -> dict:
     """Run the demo; returns the summary it printed. Raises if the job does not succeed."""
     console = console or Console()
     run_dir = Path(run_dir).resolve()
@@ -80,11 +93,12 @@ def run_demo(recipe: Path, run_dir: Path, *, nodes: int = 4, overrides: list[str
         spare = [n["name"] for n in client.nodes() if n["is_spare"]]
         say.say(f"cluster in service: {', '.join(n['name'] for n in client.nodes() if not n['is_spare'])} healthy, "
                 f"{', '.join(spare)} standing by as spare")
-        job = jobs.submit(config, nodes=nodes, auto_resume=True, max_retries=1, name="demo")
-        say.say(f"job {job['id']} submitted: {recipe} on {nodes} nodes, auto-resume, {max_steps} steps, "
-                f"checkpoint every {interval} steps")
+        job = jobs.submit(config, nodes=nodes, auto_resume=True, max_retries=1, name="demo", recovery=recovery)
+        say.say(f"job {job['id']} submitted: {recipe} on {nodes} nodes, auto-resume, {recovery} recovery, "
+                f"{max_steps} steps, checkpoint every {interval} steps")
 
-        killed_at, victim, shown_step = None, None, 0
+        killed_at, victim, shown_step, standby_told = None, None, 0, False
+        warm_deadline = time.monotonic() + 90
         while True:
             info = jobs.describe(job["id"])
             say.events(client)
@@ -92,7 +106,13 @@ def run_demo(recipe: Path, run_dir: Path, *, nodes: int = 4, overrides: list[str
             if step >= shown_step + 10 or (step and not shown_step):
                 shown_step = step
                 say.say(f"step {step}/{max_steps} ({info['state']}, generation {info['generation']})")
-            if killed_at is None and step >= fail_after and info["state"] == "running":
+            if (killed_at is None and step >= fail_after and info["state"] == "running" and recovery == "checkpointless"
+                    and not standby_told and not spare_standby_warm(client)):
+                standby_told = True
+                say.say("waiting for the spare's warm standby worker (torch imported, one FSDP step run) before "
+                        "injecting the failure")
+            warm = recovery != "checkpointless" or spare_standby_warm(client) or time.monotonic() > warm_deadline
+            if killed_at is None and step >= fail_after and info["state"] == "running" and warm:
                 victim = info["generations"][-1]["nodes"][1]  # rank 1's node: rank 0 writes the metrics
                 say.say(f"[bold red]injecting a node failure[/]: kill-node {victim} (SIGKILL to its agent and "
                         f"workers) at step {step}")
@@ -129,7 +149,26 @@ def summarize(info: dict, client: ClusterClient, run_dir: Path, victim: str | No
                        restarted_s=round(gens[1]["started_at"] - killed_at, 2), **figures.as_dict())
         refilled = [n["name"] for n in client.nodes() if n["is_spare"] and n["state"] == "healthy"]
         summary["spare_pool"] = refilled
+        summary.update(checkpointless_figures(Path(run_dir) / "metrics.jsonl", killed_at, figures))
     return summary
+
+
+def checkpointless_figures(metrics: Path, killed_at: float, figures) -> dict:
+    """From the recovery events rank 0 logged: where the state came from, the survivors' stall (kill → their
+    next committed step, minus one normal step) and the replacement's rejoin (its activation → that step)."""
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    restored = [e for e in events if e.get("event") == "state_restored"]
+    generation = [e for e in events if e.get("event") == "generation"]
+    if not restored:
+        return {}
+    next_step_at = killed_at + figures.first_step_after_s
+    out = {"restored_from": restored[0]["source"], "restored_bytes": restored[0]["bytes"],
+           "restored_s": restored[0]["seconds"], "restore_reason": restored[0].get("reason"),
+           "survivor_stall_s": round(figures.first_step_after_s - figures.normal_step_s, 3)}
+    started = generation[0].get("rejoin_started_at") if generation else None
+    if started:
+        out["rejoin_s"] = round(next_step_at - started, 3)
+    return out
 
 
 def print_summary(console: Console, s: dict) -> None:
@@ -139,10 +178,21 @@ def print_summary(console: Console, s: dict) -> None:
     if "failed_node" in s:
         table.add_row("failure", f"node {s['failed_node']} SIGKILLed after step {s['last_step']}")
         table.add_row("fault detected", f"{s['fault_detected_s']} s after the kill")
-        table.add_row("job restarted", f"{s['restarted_s']} s after the kill (new generation, spare in service)")
-        table.add_row("first step after resume", f"{s['first_step_after_s']:.2f} s after the kill")
-        table.add_row("resumed from", f"checkpoint at step {s['resumed_step']}")
-        table.add_row("steps lost (redone)", str(s["steps_lost"]))
+        table.add_row("new generation", f"{s['restarted_s']} s after the kill (spare in service)")
+        table.add_row("first step after the fault", f"{s['first_step_after_s']:.2f} s after the kill")
+        if s.get("restored_from") in ("peer-memory", "buddy-snapshot"):
+            table.add_row("recovery", f"checkpointless: survivors kept their processes; the replacement restored "
+                                      f"{s['restored_bytes'] / 2**20:.1f} MiB from {s['restored_from']} in "
+                                      f"{s['restored_s']:.2f} s, resuming at step {s['resumed_step']}")
+            table.add_row("[bold]survivor stall[/]", f"{s['survivor_stall_s']:.2f} s (kill → next committed step, "
+                                                    f"minus one normal step)")
+            if "rejoin_s" in s:
+                table.add_row("[bold]replacement rejoin[/]", f"{s['rejoin_s']:.2f} s (activated → first committed "
+                                                            f"step)")
+        else:
+            why = f" ({s['restore_reason']})" if s.get("restore_reason") else ""
+            table.add_row("resumed from", f"checkpoint at step {s['resumed_step']}{why}")
+        table.add_row("[bold]steps lost (redone)[/]", str(s["steps_lost"]))
         table.add_row("time lost to the failure", f"{s['downtime_s']:.1f} s (normal step {s['normal_step_s']:.2f} s)")
     table.add_row("nodes replaced", ", ".join(s["nodes_replaced"]) or "none")
     if "spare_pool" in s:
