@@ -4,7 +4,7 @@
 and experts with `check_model`), with errors that name the field, the value, the valid values and a fix.
 `build_mesh` turns them into a `ParallelMesh`: views of one set of ranks that the `apply_*` functions use.
 
-Layout (outer → inner dims; a dim of size 1 is left out, except dp_shard):
+Layout (outer → inner dims; dp_replicate appears only when > 1):
 - data parallel: ("dp_shard",) over the default group (plain FSDP) or ("dp_replicate", "dp_shard") (HSDP);
 - tensor parallel adds an innermost "tp" dim: world = dp_replicate × dp_shard × tp. Ranks that differ
   only in their tp index form one data-parallel rank: they see the same data;
@@ -155,10 +155,6 @@ class ParallelMesh:
     ep: DeviceMesh | None = None
     expert_dp: DeviceMesh | None = None
     dp_group: dist.ProcessGroup | None = None
-
-    @property
-    def ndim(self) -> int:  # for callers that treated build_mesh's result as the data-parallel DeviceMesh
-        return self.dp.ndim
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
