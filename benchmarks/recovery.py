@@ -2,7 +2,8 @@
 by side (interleaved): Phalanx checkpointless recovery, Phalanx restart-from-checkpoint, and torchrun's
 `--max-restarts` as the outside baseline. Plus the steady-state cost of buddy snapshots (tokens/s on vs off).
 
-The job: the tiny Llama preset (fp32, vocab 512, 64-token blocks of the bundled demo corpus), 4 ranks,
+The job: the tiny Llama preset (fp32, vocab 512, 64-token blocks of the bundled demo corpus), 4 ranks as
+HSDP 2 replicas × 2 shards (the `buddy` harness: FSDP 4),
 global batch 8, micro batch 2, a checkpoint every `--interval` steps (default 50, synchronous), `--steps`
 steps in all (default 100). At `--fail-step` (default 75: 25 steps after the last checkpoint) one rank is
 SIGKILLed the moment rank 0 logs that step:
@@ -12,9 +13,12 @@ SIGKILLed the moment rank 0 logs that step:
             on rank 1's node (SIGKILL to the node's agent and its worker). The controller marks the node
             faulty, stops the other ranks, promotes the spare and starts a new generation, which resumes
             from the newest checkpoint.
-  checkpointless  the same cluster and kill, the job submitted with `--recovery checkpointless` (FSDP over
-            4 ranks, no replica: buddy snapshots every step). Survivors keep their processes and regroup; the
-            spare's warm standby takes rank 1 and restores from its buddy's snapshot.
+  checkpointless  the same cluster, job and kill, submitted with `--recovery checkpointless`. Survivors keep
+            their processes and regroup; the spare's warm standby takes rank 1 and restores its shard from
+            the other replica (rank 3).
+  buddy     checkpointless without a replica: the same job as FSDP over 4 ranks (`dp_replicate: 1`), buddy
+            snapshots every step; the replacement restores from its buddy's snapshot and everyone rolls back
+            to the newest snapshot all shards have.
   torchrun  `torchrun --standalone --nproc-per-node 4 --max-restarts 1 --monitor-interval 0.1 -m
             phalanx.train.worker` (the same worker and config); rank 1's process is SIGKILLed; torchrun's
             agent stops the group and restarts all 4 workers, which resume from the same checkpoint.
@@ -57,8 +61,13 @@ NODES = 4
 FIGURES = ("detect_s", "restart_s", "first_step_s", "steps_lost", "downtime_s", "stall_s", "rejoin_s")
 
 
-def job_tree(run_dir: Path, data: Path, steps: int, interval: int) -> dict:
+HSDP = {"dp_replicate": 2, "dp_shard": 2}
+FSDP = {"dp_replicate": 1, "dp_shard": 4}
+
+
+def job_tree(run_dir: Path, data: Path, steps: int, interval: int, parallel: dict = HSDP) -> dict:
     return {
+        "parallel": dict(parallel),
         "run_dir": str(run_dir), "seed": 7, "precision": "fp32",
         "model": {"preset": "tiny", "overrides": {"vocab_size": 512}},
         "data": {"path": str(data)},
@@ -95,6 +104,7 @@ def wait_for_step(metrics: Path, step: int, proc_alive, timeout_s: float = 600) 
 class PhalanxHarness:
     name = "phalanx"
     recovery = "restart"
+    parallel = HSDP
 
     def __init__(self, root: Path, cluster: "PhalanxHarness | None" = None):
         if cluster is not None:  # share another harness's cluster
@@ -186,6 +196,12 @@ class CheckpointlessHarness(PhalanxHarness):
     recovery = "checkpointless"
 
 
+class BuddyHarness(CheckpointlessHarness):
+    """Checkpointless without a replica: FSDP over 4 ranks, buddy snapshots every step."""
+    name = "buddy"
+    parallel = FSDP
+
+
 # ---- torchrun: --max-restarts, the same worker and config ---------------------------------------------
 def worker_pid(parent: int, rank: int) -> int | None:
     """The pid of the phalanx worker of `rank` that torchrun's agent (`parent`) started (read from /proc)."""
@@ -205,6 +221,7 @@ def worker_pid(parent: int, rank: int) -> int | None:
 
 class TorchrunHarness:
     name = "torchrun"
+    parallel = HSDP
 
     def __init__(self, root: Path):
         self.root = root
@@ -259,8 +276,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--interval", type=int, default=50, help="checkpoint interval (steps)")
     parser.add_argument("--fail-step", type=int, default=75, help="kill one rank when rank 0 logs this step")
-    parser.add_argument("--harness", default="checkpointless,phalanx,torchrun",
-                        help="comma-separated: checkpointless, phalanx (restart from checkpoint), torchrun")
+    parser.add_argument("--harness", default="checkpointless,buddy,phalanx,torchrun",
+                        help="comma-separated: checkpointless (HSDP 2x2), buddy (checkpointless, FSDP 4), phalanx "
+                             "(restart from checkpoint), torchrun")
     parser.add_argument("--overhead-runs", type=int, default=3, help="snapshot on/off pairs (0: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "recovery.json")
     args = parser.parse_args()
@@ -271,8 +289,9 @@ def main() -> None:
     names = args.harness.split(",")
     harnesses, cluster = [], None
     for name in names:
-        if name in ("phalanx", "checkpointless"):
-            h = (CheckpointlessHarness if name == "checkpointless" else PhalanxHarness)(root, cluster)
+        if name in ("phalanx", "checkpointless", "buddy"):
+            kind = {"phalanx": PhalanxHarness, "checkpointless": CheckpointlessHarness, "buddy": BuddyHarness}[name]
+            h = kind(root, cluster)
             cluster = cluster or h
         else:
             h = TorchrunHarness(root)
@@ -282,16 +301,16 @@ def main() -> None:
     try:
         for i in range(args.runs):
             for h in harnesses:
-                tree = job_tree(root / f"{h.name}-{i}", data, args.steps, args.interval)
+                tree = job_tree(root / f"{h.name}-{i}", data, args.steps, args.interval, h.parallel)
                 sample = h.run(tree, args.fail_step)
                 samples[h.name].append(sample)
                 print(f"run {i + 1}/{args.runs} {h.name:>14}: " + "  ".join(
                     f"{k} {sample[k]:.2f}" if isinstance(sample[k], float) else f"{k} {sample[k]}"
                     for k in (*FIGURES, "normal_step_s") if k in sample), flush=True)
-        ckl = next((h for h in harnesses if h.name == "checkpointless"), None)
+        ckl = next((h for h in harnesses if h.recovery == "checkpointless"), None) if cluster else None
         for i in range(args.overhead_runs if ckl is not None else 0):
             for interval in ((1, 0) if i % 2 == 0 else (0, 1)):
-                tree = job_tree(root / f"overhead-{i}-{interval}", data, args.steps, args.interval)
+                tree = job_tree(root / f"overhead-{i}-{interval}", data, args.steps, args.interval, FSDP)
                 tree["resilience"] = {"snapshot_interval": interval}
                 tps = ckl.steady_tokens_per_s(tree)
                 overhead["snapshots_on" if interval else "snapshots_off"].append(tps)
@@ -321,6 +340,10 @@ def main() -> None:
                        rejoin_s=m["rejoin_s"], checkpointless_steps_lost=m["steps_lost"],
                        checkpointless_detect_s=m["detect_s"])
         summary.setdefault("detect_s", m["detect_s"])
+    if "buddy" in medians:
+        m = medians["buddy"]
+        summary.update(buddy_downtime_s=m["downtime_s"], buddy_survivor_stall_s=m["stall_s"],
+                       buddy_rejoin_s=m["rejoin_s"], buddy_steps_lost=m["steps_lost"])
     if "torchrun" in medians:
         m = medians["torchrun"]
         summary.update(torchrun_downtime_s=m["downtime_s"], torchrun_steps_lost=m["steps_lost"],
@@ -338,7 +361,8 @@ def main() -> None:
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py " + " ".join(sys.argv[1:]),
         "config": {"nodes": NODES, "steps": args.steps, "checkpoint_interval": args.interval,
                    "fail_step": args.fail_step, "job": job_tree(Path("<run_dir>"), Path("<data>"), args.steps,
-                                                                args.interval)},
+                                                                args.interval),
+                   "parallel": {h.name: h.parallel for h in harnesses}},
         "samples": samples, "medians": medians, "snapshot_overhead_tokens_per_s": overhead,
         "summary": {k: round(v, 4) for k, v in summary.items()},
     })
