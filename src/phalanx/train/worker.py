@@ -62,7 +62,7 @@ def run(config_tree: dict) -> int:
     if config.resilience.recovery == seam.CHECKPOINTLESS:
         log.warning("resilience.recovery=checkpointless needs a Phalanx cluster (phalanx job submit); without "
                     "one a failure ends the run and a restart resumes from the newest checkpoint")
-    dist.init_process_group(backend, timeout=timedelta(seconds=config.pg_timeout_s))
+    init_process_group(backend, timedelta(seconds=config.pg_timeout_s))
     try:
         trainer = Trainer(config, device)
         report_progress(trainer)
@@ -75,6 +75,21 @@ def run(config_tree: dict) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """The default group from the env (torchrun, `phalanx train`). Under torchrun restarts, on the agent's
+    store, each attempt gets its own key prefix: the store outlives the attempt, and torch (2.13) no longer
+    prefixes it per attempt, so restarted ranks would read the dead attempt's gloo addresses and fail with
+    "connection refused"."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"phalanx/attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def report_progress(trainer) -> None:
