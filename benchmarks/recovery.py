@@ -55,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
 
+from phalanx.control.backend import child_with_env  # noqa: E402
 from phalanx.train.timeline import recovery_figures  # noqa: E402
 
 NODES = 4
@@ -203,22 +204,6 @@ class BuddyHarness(CheckpointlessHarness):
 
 
 # ---- torchrun: --max-restarts, the same worker and config ---------------------------------------------
-def worker_pid(parent: int, rank: int) -> int | None:
-    """The pid of the phalanx worker of `rank` that torchrun's agent (`parent`) started (read from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and "phalanx.train.worker" in cmd and f"RANK={rank}".encode() in env:
-            return int(entry.name)
-    return None
-
-
 class TorchrunHarness:
     name = "torchrun"
     parallel = HSDP
@@ -241,7 +226,7 @@ class TorchrunHarness:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 wait_for_step(run_dir / "metrics.jsonl", fail_step, lambda: proc.poll() is None)
-                pid = worker_pid(proc.pid, 1)
+                pid = child_with_env(proc.pid, "RANK", "1")
                 if pid is None:
                     raise RuntimeError("rank 1's worker process not found")
                 killed_at = time.time()

@@ -131,3 +131,48 @@ def test_export_checkpoint_to_hugging_face(tmp_path, demo_data):
     # Exporting the same checkpoint again needs --overwrite.
     again = CliRunner().invoke(app, ["export-hf", str(run_dir), str(tmp_path / "hf")])
     assert again.exit_code == 2 and "overwrite" in again.output
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_after_a_killed_rank(tmp_path, demo_data):
+    """`torchrun --max-restarts 1 -m phalanx.train.worker`: a rank SIGKILLed mid-run, torchrun restarts all four
+    and they resume from the newest checkpoint (each attempt rendezvouses under its own store prefix)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from phalanx.control.backend import child_with_env
+    from phalanx.train.config import dump_config
+
+    config = tiny_config(tmp_path / "run", demo_data, training={"max_steps": 40, "log_interval": 10},
+                         lr_schedule={"warmup_steps": 3, "total_steps": 40}, checkpoint={"interval": 5, "keep": 3})
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dump_config(config)))
+    env = {**os.environ, "PHALANX_CONFIG": str(path), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+            "--max-restarts", "1", "--monitor-interval", "0.1", "-m", "phalanx.train.worker"]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            metrics = tmp_path / "run" / "metrics.jsonl"
+            deadline = time.monotonic() + 120
+            while not (metrics.exists() and metrics.read_text().count('"loss"') >= 12):
+                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "torchrun.log").read_text()
+                time.sleep(0.05)
+            victim = child_with_env(proc.pid, "RANK", "1")
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            code = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert code == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    steps, events = read_metrics(tmp_path / "run")
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["step"] >= 10 and resumed[0]["step"] % 5 == 0
+    assert max(s["step"] for s in steps) == 40

@@ -70,6 +70,25 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def child_with_env(parent: int, name: str, value: str) -> int | None:
+    """A live child of `parent` whose environment has `name=value` (e.g. the worker of RANK=1 that torchrun's
+    agent started), or None."""
+    wanted = f"{name}={value}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[1]) == parent and wanted in env:
+            return int(entry)
+    return None
+
+
 def process_group_members(pgid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
