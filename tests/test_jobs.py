@@ -180,6 +180,55 @@ def test_hang_rule_kills_a_frozen_worker_first_and_a_stalled_one_only_later():
     waiting.proc.wait()
 
 
+def test_a_survivor_that_dies_between_generations_is_the_new_generations_fault(tmp_path):
+    """Checkpointless: a process the next generation counts on as a survivor (`carry`) but that died after its
+    generation ended is reported as a fault of the new one (its peers are regrouping with it), not silently
+    replaced by a fresh process that would join a generation its peers have already left. A slot whose process
+    was the previous generation's fault (no `carry`) gets a fresh process."""
+    import subprocess
+
+    from phalanx.control.workers import Worker, WorkerSupervisor
+
+    sup = WorkerSupervisor("n0", "t", hang_timeout_s=60.0, wake=lambda: None)
+    started = []
+
+    def gen1_worker(rank: int) -> Worker:
+        proc = subprocess.Popen(["sleep", "30"], process_group=0)
+        started.append(proc)
+        w = Worker("1", 1, rank, 0, pid=proc.pid, started_at=time.time(), proc=proc, log_path=tmp_path / "r.log")
+        sup.workers[("1", 1, rank)] = w
+        return w
+
+    def assignment(generation: int, carry: bool) -> dict:
+        return {"job": "1", "generation": generation, "recovery": "checkpointless", "argv": ["sleep", "30"],
+                "cwd": str(tmp_path), "env": {}, "log_dir": str(tmp_path), "world_size": 2, "local_world_size": 1,
+                "master_addr": "127.0.0.1", "master_port": 1, "store_addr": "127.0.0.1:2", "checkpoint_dir": "c",
+                "config_path": None, "ranks": [{"rank": 0, "local_rank": 0, "carry": carry}], "progress": {}}
+
+    try:
+        w = gen1_worker(0)
+        sup.apply([{"job": "1", "generation": 1, "hold": True, "ranks": []}], relay_gap=False)  # between gens
+        w.proc.kill()
+        w.proc.wait()
+        sup.poll()
+        sup.acknowledged(sup.report())  # the controller heard of the exit (as generation 1's, already ended)
+        sup.apply([assignment(2, carry=True)], relay_gap=False)
+        report = sup.report()
+        assert [(r["generation"], r["state"], r["exit_code"], r["carried_from"]) for r in report] == \
+            [(2, "exited", -signal.SIGKILL, [1, 0])], report
+        assert len(started) == 1, "no fresh process joins a generation its peers have left"
+
+        sup.acknowledged(report)
+        sup.apply([assignment(3, carry=False)], relay_gap=False)  # generation 3: this slot was the fault
+        fresh = sup.workers[("1", 3, 0)]
+        assert fresh.state == "running" and fresh.pid not in {p.pid for p in started} and fresh.carried_from is None
+        started.append(fresh.proc)
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+
+
 # ---- submit validation and command jobs ----------------------------------------------------------------
 @pytest.mark.slow
 def test_refused_submits_start_nothing_and_a_torch_distributed_command_runs(tmp_path, home, demo_data):

@@ -194,8 +194,9 @@ class JobScheduler:
                     continue
                 per = job.workers_per_node
                 first = gen.nodes.index(node.name) * per
-                ranks = [{"rank": first + i, "local_rank": i, "standby": gen.standbys.get(str(first + i))}
-                         for i in range(per)]
+                survivors = self._survivor_slots(job, gen)
+                ranks = [{"rank": first + i, "local_rank": i, "standby": gen.standbys.get(str(first + i)),
+                          "carry": (node.name, i) in survivors} for i in range(per)]
                 progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
                 out.append({"recovery": job.recovery,
                     "job": job.id, "generation": gen.generation, "argv": job.argv, "cwd": job.cwd,
@@ -220,6 +221,18 @@ class JobScheduler:
     def _in_place(self, job: Job, gen: Generation) -> bool:
         """The generation ended by a fault its survivors recover from in their own processes."""
         return job.recovery == seam.CHECKPOINTLESS and gen.outcome in IN_PLACE_OUTCOMES
+
+    def _survivor_slots(self, job: Job, gen: Generation) -> set[tuple[str, int]]:
+        """Checkpointless: the (node, local rank) slots of `gen` a surviving process of the previous generation
+        must serve — every slot of a node kept from it, except the slots whose process was a fault there. The
+        agent reports such a survivor that died before it could be carried as a fault of `gen` (its peers are
+        already regrouping with it), never silently starting a fresh process in its place."""
+        prev = self.records.generation(job.id, gen.generation - 1) if gen.generation > 1 else None
+        if prev is None or not self._in_place(job, prev):
+            return set()
+        per = job.workers_per_node
+        faulted = {(f["node"], f["rank"] % per) for f in prev.faults if f.get("rank") is not None}
+        return {(n, i) for n in gen.nodes if n in prev.nodes for i in range(per)} - faulted
 
     def _standby_nodes(self, job: Job, gen: Generation) -> list[str]:
         """Nodes of `gen` whose ranks a warm standby may take: every node of a training job's generation,

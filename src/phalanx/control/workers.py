@@ -170,10 +170,16 @@ class WorkerSupervisor:
             self._keep_standbys(standby)
 
     def _carry(self, a: dict, r: dict) -> Worker | None:
-        """Checkpointless: the running worker of this job on the same slot (a survivor of an older
-        generation) serves the new one, in the same process."""
+        """Checkpointless: the worker of this job on the same slot (a survivor of an older generation) serves
+        the new one, in the same process. When the controller counts on that survivor (`carry`) but it died
+        in the meantime, the death is this generation's: it is reported as such (its peers are regrouping with
+        it and fail), and the controller starts the next generation — a fresh process here would join a
+        generation its peers have already left."""
+        def serves(w: Worker) -> bool:
+            return w.state == "running" or (bool(r.get("carry")) and w.state == "exited" and not w.stopped)
+
         old = next((w for w in self.workers.values() if w.job == a["job"] and w.local_rank == r["local_rank"]
-                    and w.generation < a["generation"] and w.state == "running"), None)
+                    and w.generation < a["generation"] and serves(w)), None)
         if old is None:
             return None
         del self.workers[(old.job, old.generation, old.rank)]
@@ -181,6 +187,13 @@ class WorkerSupervisor:
         old.generation, old.rank = a["generation"], r["rank"]
         old.last_step, old.last_beat = None, None
         old.last_change = old.last_beat_change = time.monotonic()
+        if old.state == "exited":
+            old.reported_exit = False
+            log.warning("worker pid %d of job %s %s before it could be carried into generation %d as rank %d; "
+                        "reporting it as that generation's fault", old.pid, old.job, old.detail, old.generation,
+                        old.rank)
+            self.wake()
+            return old
         self._log_line(old, f"=== phalanx: pid {old.pid} carried into generation {old.generation} as rank "
                             f"{old.rank} (checkpointless) ===")
         log.info("worker pid %d of job %s carried into generation %d as rank %d", old.pid, old.job, old.generation,
@@ -355,8 +368,10 @@ class WorkerSupervisor:
                 w = self.workers.get((r["job"], r["generation"], r["rank"]))
                 if w is not None and r["state"] == "exited":
                     w.reported_exit = True
-            for key in [k for k, w in self.workers.items()
-                        if w.state == "exited" and w.reported_exit and w.assignment not in self.desired]:
+            # (a checkpointless job between generations keeps its exited workers: the next generation may
+            # count on one of them as a survivor, see `_carry`)
+            for key in [k for k, w in self.workers.items() if w.state == "exited" and w.reported_exit
+                        and w.assignment not in self.desired and w.job not in self.held]:
                 del self.workers[key]
 
     def exit_codes(self) -> dict[int, int | None]:
