@@ -48,17 +48,10 @@ def run(config_tree: dict) -> int:
         from phalanx.resilience.run import run_checkpointless
 
         try:
-            code = run_checkpointless(config, device, backend)
+            return run_checkpointless(config, device, backend)
         except (ConfigError, DataError, ParallelConfigError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
-            code = 2
-        # Everything is saved and released. Skip interpreter teardown: a process that lived through several
-        # generations (or a warm standby) can still hold C++ threads of torch.distributed objects whose
-        # destructors abort at exit, which would turn a finished run into a "crash".
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(code)
+            return 2
     if config.resilience.recovery == seam.CHECKPOINTLESS:
         log.warning("resilience.recovery=checkpointless needs a Phalanx cluster (phalanx job submit); without "
                     "one a failure ends the run and a restart resumes from the newest checkpoint")
@@ -182,5 +175,26 @@ def main() -> int:
         return 2
 
 
+def exit_now(code: int) -> None:
+    """Leave without interpreter teardown, once everything is saved, flushed and released. Teardown can
+    destroy C++ objects of torch.distributed (gloo work threads, a process group kept alive by a module that
+    held it, groups of earlier generations) whose destructors abort the process ("terminate called without
+    an active exception"): a finished run would exit with SIGABRT, and a Python error — which the controller
+    must see as an application error — would look like a killed process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as err:
+        code = 0 if err.code is None else err.code if isinstance(err.code, int) else 1
+    except BaseException:  # noqa: BLE001 - printed, then the process exits non-zero: an application error
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
