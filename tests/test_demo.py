@@ -52,16 +52,16 @@ def test_demo_kills_a_node_halfway_and_the_job_recovers_on_the_spare(tmp_path, h
 
     console = Console(record=True, width=120)
     overrides = [f"data.path={demo_data}", "model.overrides.vocab_size=512", "model.overrides.n_layers=2",
-                 "training.global_batch_size=8", "training.micro_batch_size=2", "training.max_steps=12",
-                 "training.log_interval=4", "checkpoint.interval=3", "lr_schedule.warmup_steps=2"]
+                 "training.global_batch_size=8", "training.micro_batch_size=2", "training.max_steps=40",
+                 "training.log_interval=10", "checkpoint.interval=5", "lr_schedule.warmup_steps=2"]
     # run_dir/home is the `home` fixture's PHALANX_HOME, so its teardown checks nothing was left running
     summary = run_demo("recipes/tiny-llama.yaml", tmp_path, nodes=2, overrides=overrides, console=console)
 
-    assert summary["state"] == "succeeded" and summary["steps"] == 12 and summary["generations"] == 2
+    assert summary["state"] == "succeeded" and summary["steps"] == 40 and summary["generations"] == 2
     assert summary["failed_node"] == "workers-1" and summary["nodes_replaced"] == ["workers-1 → workers-2"]
     assert summary["spare_pool"] == ["workers-3"], "the spare pool was refilled"
     # checkpointless by default: no checkpoint involved, the state came from the buddy's snapshot (FSDP recipe)
-    assert summary["last_step"] >= 6 and summary["restored_from"] == "buddy-snapshot", summary
+    assert summary["last_step"] >= 20 and summary["restored_from"] == "buddy-snapshot", summary
     assert summary["steps_lost"] == summary["last_step"] - summary["resumed_step"] and 0 <= summary["steps_lost"] <= 2
     assert 0 <= summary["fault_detected_s"] <= summary["restarted_s"] <= summary["first_step_after_s"]
     assert summary["survivor_stall_s"] == pytest.approx(summary["first_step_after_s"] - summary["normal_step_s"],

@@ -93,12 +93,16 @@ def run_demo(recipe: Path, run_dir: Path, *, nodes: int = 4, overrides: list[str
         spare = [n["name"] for n in client.nodes() if n["is_spare"]]
         say.say(f"cluster in service: {', '.join(n['name'] for n in client.nodes() if not n['is_spare'])} healthy, "
                 f"{', '.join(spare)} standing by as spare")
+        if recovery == "checkpointless":  # the spare's warm standby takes the failed rank: have it ready first
+            say.say("waiting for the spare's warm standby worker (torch imported, one FSDP step run)")
+            deadline = time.monotonic() + 90
+            while not spare_standby_warm(client) and time.monotonic() < deadline:
+                time.sleep(0.25)
         job = jobs.submit(config, nodes=nodes, auto_resume=True, max_retries=1, name="demo", recovery=recovery)
         say.say(f"job {job['id']} submitted: {recipe} on {nodes} nodes, auto-resume, {recovery} recovery, "
                 f"{max_steps} steps, checkpoint every {interval} steps")
 
-        killed_at, victim, shown_step, standby_told = None, None, 0, False
-        warm_deadline = time.monotonic() + 90
+        killed_at, victim, shown_step = None, None, 0
         while True:
             info = jobs.describe(job["id"])
             say.events(client)
@@ -106,13 +110,7 @@ def run_demo(recipe: Path, run_dir: Path, *, nodes: int = 4, overrides: list[str
             if step >= shown_step + 10 or (step and not shown_step):
                 shown_step = step
                 say.say(f"step {step}/{max_steps} ({info['state']}, generation {info['generation']})")
-            if (killed_at is None and step >= fail_after and info["state"] == "running" and recovery == "checkpointless"
-                    and not standby_told and not spare_standby_warm(client)):
-                standby_told = True
-                say.say("waiting for the spare's warm standby worker (torch imported, one FSDP step run) before "
-                        "injecting the failure")
-            warm = recovery != "checkpointless" or spare_standby_warm(client) or time.monotonic() > warm_deadline
-            if killed_at is None and step >= fail_after and info["state"] == "running" and warm:
+            if killed_at is None and step >= fail_after and info["state"] == "running":
                 victim = info["generations"][-1]["nodes"][1]  # rank 1's node: rank 0 writes the metrics
                 say.say(f"[bold red]injecting a node failure[/]: kill-node {victim} (SIGKILL to its agent and "
                         f"workers) at step {step}")
@@ -126,6 +124,10 @@ def run_demo(recipe: Path, run_dir: Path, *, nodes: int = 4, overrides: list[str
         if info["state"] != "succeeded":
             raise RuntimeError(f"the demo job {info['state']}: {info['reason']} (logs: phalanx job logs "
                                f"{job['id']} with PHALANX_HOME={run_dir / 'home'})")
+        if len(info["generations"]) < 2:
+            raise RuntimeError(f"the job finished (step {info['last_step']}) before the injected failure took "
+                               f"effect, so there was no recovery to show; give it more steps "
+                               f"(training.max_steps=...)")
         summary = summarize(info, client, config.run_dir, victim, killed_at)
         print_summary(console, summary)
         return summary
