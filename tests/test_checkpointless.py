@@ -3,7 +3,8 @@ state, the replacement restores from a peer's memory (the other HSDP replica, or
 replicas), and training continues with the same loss at every step as a run without failures (CPU, fp32:
 bit-exact). Faults land at different moments — a killed node, and a worker killing itself inside forward,
 inside backward, after its optimizer update, as a checkpoint starts, and during the regroup after a first
-fault — and when both replicas of a shard are lost the job falls back to the disk checkpoint and says so.
+fault; a collective broken by the network (nobody dies) regroups every process — and when both replicas of a
+shard are lost the job falls back to the disk checkpoint and says so.
 
 The failure-free reference is the same config trained by `phalanx train --nproc 4` (same ranks, same gloo).
 """
@@ -160,6 +161,30 @@ def test_a_second_fault_while_regrouping_ends_in_a_correct_continuation(tmp_path
     events = assert_same_losses(run_dir, reference["fsdp"])
     sources = [e["source"] for e in events if e["event"] == "state_restored"]
     assert sources and set(sources) <= {"buddy-snapshot", "checkpoint"}, sources
+
+
+# ---- no process dies: a collective broken by the network -------------------------------------------------------
+def test_a_collective_broken_by_the_network_regroups_every_process_in_place(tmp_path, home, demo_data, reference):
+    """Rank 1's collective fails inside step 17 as a dropped connection would make it, and every process lives
+    on: no agent reports a fault, so the ranks that left the generation tell the controller (`seam.left_key`),
+    which regroups them all in place once no real fault has shown up within a heartbeat timeout."""
+    create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True), timeout_s=90)
+    jobs = JobClient("c1")
+    run_dir = tmp_path / "run"
+    submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP, {"rank": 1, "step": 17, "at": "network"}), "net")
+    info = jobs.wait("net", timeout_s=180)
+
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    first, second = info["generations"]
+    assert first["outcome"] == "stranded" and "left generation 1" in first["end_reason"], first
+    assert second["nodes"] == first["nodes"] and pids_by_rank(info, 2) == pids_by_rank(info, 1), \
+        "every process carried on into generation 2"
+    events = assert_same_losses(run_dir, reference["hsdp"])
+    restored = next(e for e in events if e["event"] == "state_restored")
+    resumed = next(e for e in events if e["event"] == "resumed")
+    assert restored["source"] != "checkpoint" and restored["bytes"] == 0, "every rank held its own state"
+    assert resumed["step"] == 16 and resumed["steps_lost"] == 0, resumed
+    assert "network failure in the forward of step 17" in jobs.logs("net", rank=1)
 
 
 # ---- both replicas of a shard lost: the disk checkpoint, said so -----------------------------------------------

@@ -41,7 +41,7 @@ from phalanx.control.store import ClusterStatus, Node, NodeState, Store
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
 NODE_FAULTS = ("node", "hang")
-IN_PLACE_OUTCOMES = ("node-fault", "process-fault")
+IN_PLACE_OUTCOMES = ("node-fault", "process-fault", "stranded")
 
 
 class JobRequestError(ValueError):
@@ -68,6 +68,7 @@ class JobScheduler:
         self.token = ""  # the cluster token, put in a standby's env (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
+        self._left_seen: dict[tuple[str, int], float] = {}  # (job, generation) → when ranks were seen leaving it
 
     # ---- API: submit, cancel, describe --------------------------------------------------------------
     def submit(self, *, kind: str, nodes: int, name: str | None = None, group: str | None = None,
@@ -297,7 +298,7 @@ class JobScheduler:
         self._note_restored(job, gen)
         if self._finished_checkpointless(job, gen, rows, now):
             return
-        faults = self._faults(job, gen, rows)
+        faults = self._faults(job, gen, rows) or self._stranded(job, gen, now)
         if not faults:
             return
         self._record_faults(job, gen, faults, mark_faulty)
@@ -331,11 +332,36 @@ class JobScheduler:
         log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
         return True
 
+    def _stranded(self, job: Job, gen: Generation, now: float) -> list[dict]:
+        """Checkpointless: ranks left the generation after a failed collective, yet no worker exited and every
+        node is healthy past the time a real fault takes to show (a heartbeat timeout): a network error broke
+        the collective. Without a new generation the survivors would wait out their recovery timeout, so this
+        is a fault of its own, recovered in place with every process."""
+        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
+            return []
+        try:
+            left = self.rendezvous.add(seam.left_key(job.id, gen.generation), 0)
+        except RuntimeError:
+            return []
+        key = (job.id, gen.generation)
+        if not left:
+            self._left_seen.pop(key, None)
+            return []
+        first = self._left_seen.setdefault(key, now)
+        grace = self.spec.health.heartbeat_timeout_s + 2 * self.spec.health.heartbeat_interval_s
+        if now - first < grace:
+            return []
+        del self._left_seen[key]
+        return [{"kind": "stranded", "node": None, "rank": None, "time": first,
+                 "detail": f"{left} rank(s) left generation {gen.generation} after a failed collective and no "
+                           f"worker or node fault followed within {grace:g} s (a network error?)"}]
+
     @staticmethod
     def _recoverable_in_place(fault: dict) -> bool:
         """A node's fault, or a process killed by a signal: its peers' state is intact. A worker that
         exited with an error code (a bug, a bad batch) or a stall is the application's: restart it all."""
-        return fault["kind"] in NODE_FAULTS or (fault["kind"] == "exit" and (fault.get("code") or 0) < 0)
+        killed = fault["kind"] == "exit" and (fault.get("code") or 0) < 0
+        return fault["kind"] in (*NODE_FAULTS, "stranded") or killed
 
     def _recover_in_place(self, job: Job, gen: Generation, faults: list[dict]) -> None:
         """Checkpointless: end the generation now without stopping its survivors; the failed ranks' nodes are
@@ -345,12 +371,19 @@ class JobScheduler:
         node_fault = any(f["kind"] in NODE_FAULTS for f in faults)
         first = faults[0]["detail"]
         bad = sorted({f["node"] for f in faults if f["kind"] in NODE_FAULTS})
+        stranded = all(f["kind"] == "stranded" for f in faults)
+        outcome = "node-fault" if node_fault else "stranded" if stranded else "process-fault"
         self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, end_reason=first,
-                                       outcome="node-fault" if node_fault else "process-fault")
-        self.records.update_job(job.id, node_faults=job.node_faults + 1)
-        what = (f"{first}; next: survivors keep running and wait for generation {gen.generation + 1}"
-                + (f" with {', '.join(bad)} replaced" if bad else " (a new process in the failed one's place)")
-                + ", where the replacement restores its state from peers' memory")
+                                       outcome=outcome)
+        if node_fault:
+            self.records.update_job(job.id, node_faults=job.node_faults + 1)
+        if stranded:
+            what = (f"{first}; next: every process regroups in generation {gen.generation + 1} on the same nodes "
+                    f"and continues from the newest step all of them hold")
+        else:
+            what = (f"{first}; next: survivors keep running and wait for generation {gen.generation + 1}"
+                    + (f" with {', '.join(bad)} replaced" if bad else " (a new process in the failed one's place)")
+                    + ", where the replacement restores its state from peers' memory")
         self.records.transition(job.id, J.RECOVERING, what)
         self.store.record_event("recovery", what, job=job.id)
         log.warning("job %s generation %d (checkpointless): %s", job.id, gen.generation, what)
@@ -563,7 +596,10 @@ class JobScheduler:
         layout = ", ".join(f"{n}: ranks {i * per}-{i * per + per - 1}" if per > 1 else f"{n}: rank {i}"
                            for i, n in enumerate(nodes))
         what = f"generation {g} on {len(nodes)} nodes ({layout}); MASTER_ADDR={addr} MASTER_PORT={port}"
-        if g > 1 and self._in_place(job, self.records.generation(job.id, g - 1)):
+        prev = self.records.generation(job.id, g - 1) if g > 1 else None
+        if prev is not None and prev.outcome == "stranded":
+            what += "; checkpointless: every process regroups in place"
+        elif prev is not None and self._in_place(job, prev):
             what += "; checkpointless: survivors regroup in place, replacements restore from peers' memory"
         elif g > 1:
             what += "; resuming from the newest checkpoint" if job.kind == "train" else "; restarting the command"

@@ -41,6 +41,9 @@ every worker. The controller publishes, for each generation it starts:
                                    on a rank that will never come; a newer generation interrupts the wait)
     {job}/gen{g}/recovered         JSON written by the new rank 0 once state is restored: source, step,
                                    bytes, seconds — the controller turns it into an event
+    {job}/gen{g}/left              a counter of the ranks that left generation g after a failed collective;
+                                   when no worker or node fault explains it (a network error broke a
+                                   collective, every process is alive), the controller regroups them
 
 Warm standby: an idle node's agent pre-starts `python -m phalanx.train.worker --standby` per slot (torch
 imported, waiting) with a unique PHALANX_STANDBY_ID, and reports the ids in its heartbeats. It watches
@@ -156,6 +159,10 @@ def joined_key(job_id: str, generation: int) -> str:
 
 def recovered_key(job_id: str, generation: int) -> str:
     return f"{generation_prefix(job_id, generation)}/recovered"
+
+
+def left_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/left"
 
 
 def finished_key(job_id: str) -> str:

@@ -1,6 +1,7 @@
 """Fault drills: a worker kills itself (SIGKILL) at a chosen moment of a step, to exercise recovery from
 exactly there — inside forward, inside backward while gradients are being reduced, after its own optimizer
-update, as a checkpoint save starts, or during the regroup that follows a first fault.
+update, as a checkpoint save starts, or during the regroup that follows a first fault. The `network` drill
+kills nothing: the rank's collective fails as a dropped connection would make it, every process lives on.
 
 The drill is armed from `resilience.drill` in the training config and fires at most once, only in a process
 that started in the job's first generation (a replacement redoing the same step does not die again).
@@ -19,6 +20,13 @@ log = logging.getLogger("phalanx.drill")
 def _die(what: str) -> None:
     print(f"=== phalanx drill: SIGKILL {what} ===", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fail_collective(what: str) -> None:
+    import torch.distributed as dist
+
+    print(f"=== phalanx drill: network failure {what} (the process lives on) ===", file=sys.stderr, flush=True)
+    raise dist.DistNetworkError(f"drill: connection dropped {what}")
 
 
 def _grad_hook(out, fire) -> None:
@@ -44,10 +52,12 @@ class Drill:
         def fire(*_args, **_kwargs):
             if self.armed and now():
                 self.armed = False
+                if at == "network":
+                    _fail_collective(f"in the forward of step {step}")
                 _die(f"during {at} of step {step}")
 
         blocks = list(trainer.model.model.layers)  # Transformer → DecoderStack (HF naming)
-        if at == "forward":
+        if at in ("forward", "network"):
             blocks[-1].register_forward_pre_hook(fire)
         elif at == "backward":  # the gradient of the first block's output: later blocks are done and reduced
             blocks[0].register_forward_hook(lambda _m, _i, out: _grad_hook(out, fire))

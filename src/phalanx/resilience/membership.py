@@ -126,6 +126,11 @@ class Membership:
         dist.init_process_group(backend, store=prefixed, rank=p.rank, world_size=p.world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
+    def report_left(self, generation: int) -> None:
+        """This rank left `generation` after a failed collective (the controller regroups the job if no
+        worker or node fault follows)."""
+        self.store.add(seam.left_key(self.job_id, generation), 1)
+
     def report_finished(self, step: int) -> None:
         self.store.set(seam.finished_key(self.job_id), json.dumps({"step": step, "time": time.time()}))
 
@@ -142,6 +147,12 @@ class Membership:
         if first:
             threading.Thread(target=self._watch_loop, name="phalanx-generation-watch", daemon=True).start()
 
+    def unwatch(self) -> None:
+        """This rank left its generation: nothing trains, so a newer generation is expected, not news."""
+        with self._watch_lock:
+            if self._watching is not None:
+                self._watching = -1
+
     def _watch_loop(self) -> None:
         store = None
         while True:
@@ -154,7 +165,7 @@ class Membership:
                 continue
             with self._watch_lock:
                 current = self._watching
-            if current is not None and newest > current and not self.superseded.is_set():
+            if current is not None and current >= 0 and newest > current and not self.superseded.is_set():
                 log.warning("generation %d published while generation %d trains; next: leave it at the next step "
                             "boundary and regroup", newest, current)
                 self.superseded.set()

@@ -220,6 +220,11 @@ class CheckpointlessRun:
         self.marks = {"fault": now}
         log.warning("generation %d ended at step %s (%s); next: keep this process and its state in memory, "
                     "wait for the next generation", self.generation, step, what)
+        self.membership.unwatch()
+        try:
+            self.membership.report_left(self.generation)
+        except (RuntimeError, OSError) as err:  # the controller restarts: its next generation still comes
+            log.warning("could not tell the controller this rank left generation %d (%s)", self.generation, err)
         self.shelf.freeze()  # a snapshot exchange still running must not change what we report
         if self.trainer is not None and self.trainer.ready:
             self.carried = ShardState.capture(self.trainer)

@@ -97,17 +97,19 @@ class CheckpointSection(_Strict):
 
 class FaultDrill(_Strict):
     """A fault drill: worker `rank` kills its own process (SIGKILL, no cleanup) at one moment of training, as a
-    crash there would. It fires only in a process of the job's first generation, once. For tests and drills of
-    the recovery path; `phalanx fault inject` covers faults at an arbitrary wall-clock moment."""
+    crash there would — or, for `network`, stays alive while its collective fails. It fires only in a process
+    of the job's first generation, once. For tests and drills of the recovery path; `phalanx fault inject`
+    covers faults at an arbitrary wall-clock moment."""
 
     rank: int = Field(ge=0, description="the rank that dies (its rank in the first generation)")
     step: int = Field(1, ge=1, description="the step during which it dies (the step being computed, or saved)")
-    at: Literal["forward", "backward", "optimizer", "checkpoint", "regroup"] = Field(
+    at: Literal["forward", "backward", "optimizer", "checkpoint", "regroup", "network"] = Field(
         description="forward: inside the last block's forward; backward: inside the first block's backward "
                     "(after later blocks' gradients were reduced); optimizer: right after its own optimizer "
                     "update, before the step is counted; checkpoint: as the checkpoint of `step` starts "
                     "(peers are inside the save); regroup: while regrouping after the first fault (a second "
-                    "failure during recovery; `step` unused)")
+                    "failure during recovery; `step` unused); network: no process dies, the rank's collective "
+                    "fails inside the last block's forward as if the network dropped it")
 
 
 class ResilienceSection(_Strict):
