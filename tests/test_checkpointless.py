@@ -29,12 +29,15 @@ HSDP = {"dp_replicate": 2, "dp_shard": 2}
 FSDP = {"dp_replicate": 1, "dp_shard": 4}
 
 
-def config_for(run_dir: Path, data: Path, parallel: dict, drill: dict | None = None):
+def config_for(run_dir: Path, data: Path, parallel: dict, drill: dict | None = None, max_steps: int = STEPS,
+               **top):
+    """The reference's config; `max_steps` past STEPS trains on (the schedule still ends at STEPS), so a fault
+    that takes longer to detect still lands mid-run while the first STEPS steps stay comparable."""
     resilience = {"recovery": "checkpointless", "regroup_timeout_s": 60.0, "recovery_timeout_s": 120.0}
     if drill is not None:
         resilience["drill"] = drill
-    return tiny_config(run_dir, data, parallel=parallel, resilience=resilience,
-                       training={"max_steps": STEPS, "log_interval": 8},
+    return tiny_config(run_dir, data, parallel=parallel, resilience=resilience, **top,
+                       training={"max_steps": max_steps, "log_interval": 8},
                        lr_schedule={"warmup_steps": 3, "total_steps": STEPS},
                        checkpoint={"interval": 10, "keep": 10})
 
@@ -60,13 +63,14 @@ def assert_same_losses(run_dir: Path, reference: dict[int, float], where: str = 
     steps, events = records(run_dir)
     missing = set(reference) - {s["step"] for s in steps}
     assert not missing, f"{where}: steps never logged: {sorted(missing)}"
-    diverged = [(s["step"], s["loss"], reference[s["step"]]) for s in steps if s["loss"] != reference[s["step"]]]
+    diverged = [(s["step"], s["loss"], reference[s["step"]]) for s in steps
+                if s["step"] in reference and s["loss"] != reference[s["step"]]]
     assert not diverged, f"{where}: loss differs from the failure-free run at (step, loss, reference): {diverged[:5]}"
     return events
 
 
-def submit(jobs: JobClient, tmp_path: Path, config, name: str) -> dict:
-    job = jobs.submit(write_config(tmp_path / f"{name}.yaml", config), nodes=4, auto_resume=True, name=name)
+def submit(jobs: JobClient, tmp_path: Path, config, name: str, nodes: int = 4) -> dict:
+    job = jobs.submit(write_config(tmp_path / f"{name}.yaml", config), nodes=nodes, auto_resume=True, name=name)
     assert job["recovery"] == "checkpointless"
     return job
 
@@ -113,6 +117,53 @@ def test_killed_node_recovers_from_peers_memory_with_the_same_loss_at_every_step
     assert second["restored"]["source"] == restored["source"], "the controller recorded the restore"
     assert any(e["kind"] == "state_restored" and restored["source"] in e["reason"] for e in info["events"]), \
         [(e["kind"], e["reason"]) for e in info["events"]]
+
+
+# ---- a node that stays alive: a failed health check, a frozen agent ----------------------------------------------
+@pytest.mark.parametrize("kind", ["fail-health", "freeze-node"])
+def test_a_node_judged_faulty_while_its_worker_lives_is_replaced_without_waiting_out_a_timeout(
+        tmp_path, home, demo_data, reference, kind):
+    """The faulty node's worker is still in the job's collectives: the survivors learn of the fault from the
+    generation the controller publishes (or from the collective that breaks when a peer leaves), not from the
+    process-group timeout, which is set far longer than the whole recovery may take here. A frozen agent is
+    judged only after the heartbeat timeout (5 s), so that run trains on past the reference's steps."""
+    create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True), timeout_s=90)
+    jobs, client = JobClient("c1"), ClusterClient("c1")
+    run_dir = tmp_path / "run"
+    steps = STEPS if kind == "fail-health" else 3 * STEPS
+    submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP, max_steps=steps, pg_timeout_s=300.0), "alive")
+    step_at_least(jobs, "alive", 14)
+    victim = jobs.describe("alive")["generations"][0]["nodes"][1]
+    client.inject_fault(victim, kind)
+    injected = next(e["time"] for e in reversed(client.events(node=victim)) if e["kind"] == "fault-injected")
+    info = jobs.wait("alive", timeout_s=180)
+
+    assert info["state"] == "succeeded" and info["last_step"] == steps, info["reason"]
+    first, second = info["generations"]
+    assert first["outcome"] == "node-fault" and victim not in second["nodes"], (first, second)
+    before, after = pids_by_rank(info, 1), pids_by_rank(info, 2)
+    assert {r: after[r] for r in (0, 2, 3)} == {r: before[r] for r in (0, 2, 3)}, "the survivors kept their pids"
+    events = assert_same_losses(run_dir, reference["hsdp"], kind)
+    restored = next(e for e in events if e["event"] == "state_restored")
+    resumed = next(e for e in events if e["event"] == "resumed")
+    assert restored["source"] == "peer-memory" and resumed["steps_lost"] == 0, (restored, resumed)
+    assert resumed["time"] - injected < 30, f"recovered {resumed['time'] - injected:.1f} s after the fault"
+
+
+def test_a_node_frozen_as_training_ends_does_not_keep_the_finished_job_running(tmp_path, home, demo_data):
+    """Rank 1's agent freezes a moment before the last step: its worker finishes with the others, but the exit
+    is never reported (the agent is frozen, then terminated as its node is replaced). Training finished
+    everywhere, so the job succeeds instead of waiting forever for that report."""
+    create_cluster(write_spec(tmp_path, count=2, spares=1), timeout_s=90)
+    jobs, client = JobClient("c1"), ClusterClient("c1")
+    submit(jobs, tmp_path, config_for(tmp_path / "run", demo_data, {"dp_shard": 2}), "end", nodes=2)
+    step_at_least(jobs, "end", STEPS - 8)
+    client.inject_fault(jobs.describe("end")["generations"][0]["nodes"][1], "freeze-node")
+    info = jobs.wait("end", timeout_s=60)
+
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    assert len(info["generations"]) == 1 and "rank 1 not seen exiting: its node workers-1 is" in info["reason"], \
+        info["reason"]
 
 
 # ---- faults at chosen moments, then a second fault during the regroup -------------------------------------------

@@ -319,15 +319,23 @@ class JobScheduler:
         try:
             if not self.rendezvous.check([seam.finished_key(job.id)]):
                 return False
-        except RuntimeError:
+            finished = json.loads(self.rendezvous.get(seam.finished_key(job.id)))
+        except (RuntimeError, ValueError):
             return False
-        if not all(w.state == "exited" for w in rows):
+        # a worker on a node that is no longer healthy may never be reported again (its agent froze, or was
+        # terminated before it could report the exit): training finished, so it is not waited for
+        states = {n: self._node_state(n) for n in gen.nodes}
+        unhealthy = {n: st.value if st else "gone" for n, st in states.items() if st != S.HEALTHY}
+        if any(w.state != "exited" and w.node not in unhealthy for w in rows):
             return True  # the others are on their way out
-        bad = [f"rank {w.rank} {w.detail}" for w in rows if w.exit_code != 0]
+        bad = [f"rank {w.rank} {w.detail}" if w.state == "exited" else
+               f"rank {w.rank} not seen exiting: its node {w.node} is {unhealthy[w.node]}"
+               for w in rows if w.state != "exited" or w.exit_code != 0]
         done = "training finished" + (f" (then {'; '.join(bad)} on the way out)" if bad else "")
+        step = finished["step"]  # rank 0's word: a rank whose agent stopped relaying may show an older step
         self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome="succeeded",
-                                       end_reason=done)
-        step = self.records.job(job.id).last_step
+                                       end_reason=done, last_step=step)
+        self.records.update_job(job.id, last_step=step)
         self.records.transition(job.id, J.SUCCEEDED, done + (f" (last step {step})" if step is not None else ""))
         log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
         return True
