@@ -117,6 +117,9 @@ def test_killed_node_recovers_from_peers_memory_with_the_same_loss_at_every_step
     assert second["restored"]["source"] == restored["source"], "the controller recorded the restore"
     assert any(e["kind"] == "state_restored" and restored["source"] in e["reason"] for e in info["events"]), \
         [(e["kind"], e["reason"]) for e in info["events"]]
+    controller = {e["kind"]: e["reason"] for e in info["events"]}  # the recovery in the controller's events too
+    assert {"fault_detected", "generation", "pg_rebuilt", "state_restored", "resumed"} <= set(controller), controller
+    assert f"training resumed at step {resumed['step']}" in controller["resumed"], controller["resumed"]
 
 
 # ---- a node that stays alive: a failed health check, a frozen agent ----------------------------------------------

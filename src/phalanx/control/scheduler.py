@@ -407,11 +407,27 @@ class JobScheduler:
             summary = json.loads(self.rendezvous.get(key))
         except (RuntimeError, ValueError):
             return
+        told = {e["event"]: e for e in summary.pop("events", [])}
         self.records.update_generation(job.id, gen.generation, restored=summary)
-        self.store.record_event("state_restored", f"generation {gen.generation} restored from {summary['source']} "
+        g = gen.generation
+        if "fault_detected" in told:
+            e = told["fault_detected"]
+            self.store.record_event("fault_detected", f"generation {e['generation']}: {e['detected_by']} rank(s) saw "
+                                    f"the fault at step {e['step']}: {e['what']}", job=job.id)
+        if "pg_rebuilt" in told:
+            e = told["pg_rebuilt"]
+            self.store.record_event("pg_rebuilt", f"generation {g}: process groups built in {e['seconds']:.3f} s, "
+                                    f"every rank arrived {e['all_arrived_after_fault_s']:.3f} s after the fault",
+                                    job=job.id)
+        self.store.record_event("state_restored", f"generation {g} restored from {summary['source']} "
                                 f"at step {summary['step']}: {summary['bytes']} bytes moved in "
                                 f"{summary['seconds']:.3f} s" + (f" ({summary['reason']})" if summary.get("reason")
                                                                   else ""), job=job.id)
+        if "resumed" in told:
+            e = told["resumed"]
+            self.store.record_event("resumed", f"generation {g}: training resumed at step {e['step']} on "
+                                    f"{e['world_size']} ranks, {e['steps_lost']} committed step(s) redone",
+                                    job=job.id)
 
     def _faults(self, job: Job, gen: Generation, rows: list[WorkerRecord]) -> list[dict]:
         found = []

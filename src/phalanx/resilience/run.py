@@ -341,34 +341,39 @@ class CheckpointlessRun:
         faults = [i["fault"] for i in infos if i["fault"] is not None]
         if not faults:
             return  # a first start: trainer.start() recorded it
-        m, now = trainer.metrics, time.time()
+        now, told = time.time(), []
+
+        def event(kind: str, **fields) -> None:  # to metrics.jsonl, and (below) to the controller's events
+            trainer.metrics.event(kind, **fields)
+            told.append({"event": kind, **fields})
+
         first = min(faults, key=lambda f: f["at"])
         lost_from = max((f["step"] for f in faults if f["step"] is not None), default=None)
         fresh = [i["rank"] for i in infos if i["fault"] is None]
         source = ("checkpoint" if plan.kind == "disk" else "buddy-snapshot" if plan.from_snapshot
                   else "peer-memory")
-        m.event("fault_detected", at=first["at"], generation=first["generation"], step=first["step"],
+        event("fault_detected", at=first["at"], generation=first["generation"], step=first["step"],
                 what=first["what"], detected_by=len(faults))
         t0 = first["at"]
         phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
-        m.event("generation", generation=self.generation, world_size=len(infos), survivors=len(faults),
+        event("generation", generation=self.generation, world_size=len(infos), survivors=len(faults),
                 replacements=fresh, rejoin_started_at=min((i["process_started_at"] for i in infos
                                                           if i["fault"] is None), default=None),
                 phases_since_fault_s=phases)
-        m.event("pg_rebuilt", generation=self.generation,
+        event("pg_rebuilt", generation=self.generation,
                 seconds=round(max(i["marks"]["pg"] - i["marks"]["arrived"] for i in infos), 4),
                 all_arrived_after_fault_s=round(max(i["marks"]["arrived"] for i in infos) - t0, 4))
         summary = {"source": source, "step": trainer.progress.step, "bytes": moved,
                    "seconds": round(now - start, 4), "transfers": len(plan.transfers),
                    "reason": plan.reason or None}
-        m.event("state_restored", **summary)
+        event("state_restored", **summary)
         if plan.kind == "memory":
             steps_lost = (lost_from - trainer.progress.step) if lost_from is not None else None
-            m.event("resumed", step=trainer.progress.step, samples_consumed=trainer.progress.samples_consumed,
+            event("resumed", step=trainer.progress.step, samples_consumed=trainer.progress.samples_consumed,
                     world_size=len(infos), recovery="checkpointless", steps_lost=steps_lost)
         try:
             self.membership.report_recovered(self.generation, {**summary, "generation": self.generation,
-                                                               "fault": first["what"]})
+                                                               "fault": first["what"], "events": told})
         except (RuntimeError, OSError) as err:
             log.warning("could not tell the controller about the recovery (%s); training goes on", err)
 
