@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import stat
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +26,8 @@ from phalanx.control import seam
 from phalanx.control.backend import AGENT_MODULE, process_group_members, process_running, processes_mentioning
 from phalanx.control.cluster import (ClusterClient, CreateFailed, controller_pid, create_cluster, delete_cluster,
                                      start_controller)
-from phalanx.control.health import GpuMonitor, report
+from phalanx.control.health import (REPLACE_NODE, RESTART_JOB, GpuMonitor, report, restart_job_failures,
+                                    xid_check)
 from phalanx.control.paths import ClusterPaths, list_clusters
 from phalanx.control.spec import SpecError, load_spec
 from phalanx.control.store import IllegalTransition, NodeState, Store
@@ -169,6 +171,60 @@ def test_gpu_check_skips_cpu_types_and_fails_gpu_types_without_nvml():
         assert check.status == "fail" and "expects 8 GPUs" in check.detail and not report([check])["ok"]
 
 
+class FakeNvml:
+    """What GpuMonitor uses of pynvml, for a node with `count` GPUs: uncorrected ECC counts by index and XID
+    events queued for the next check."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_Timeout(NVMLError):  # noqa: N801 - pynvml's name
+        pass
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, nvmlEventTypeXidCriticalError = 1, 0, 8
+
+    def __init__(self, count: int):
+        self.count, self.ecc, self.xids = count, {}, []
+
+    def nvmlInit(self): pass  # noqa: E704, N802
+    def nvmlDeviceGetCount(self): return self.count  # noqa: E704, N802
+    def nvmlDeviceGetHandleByIndex(self, i): return i  # noqa: E704, N802
+    def nvmlEventSetCreate(self): return "events"  # noqa: E704, N802
+    def nvmlDeviceRegisterEvents(self, handle, kind, events): pass  # noqa: E704, N802
+    def nvmlDeviceGetTotalEccErrors(self, handle, kind, counter): return self.ecc.get(handle, 0)  # noqa: E704, N802
+
+    def nvmlEventSetWait_v2(self, events, timeout_ms):  # noqa: N802
+        if not self.xids:
+            raise self.NVMLError_Timeout()
+        return type("EventData", (), {"eventData": self.xids.pop(0)})()
+
+
+def test_gpu_checks_map_count_ecc_and_xids_to_actions(monkeypatch):
+    """NVML's view mapped the HyperPod way: too few GPUs, uncorrected ECC errors or a hardware XID replace the
+    node; an application-level XID (13, 31, 43, …) only restarts the job; XIDs are reported once."""
+    nvml = FakeNvml(count=8)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    gpu = GpuMonitor(8, "gpu.8")
+    assert [(c.name, c.status) for c in gpu.check()] == [("gpu.count", "pass"), ("gpu.ecc", "pass"),
+                                                         ("gpu.xid", "pass")]
+    nvml.xids = [13, 13, 43]
+    xid = gpu.check()[2]
+    assert (xid.status, xid.action) == ("fail", RESTART_JOB) and "XID [13, 43]" in xid.detail
+    assert report(gpu.check())["ok"], "a job-level XID does not fail the node, and it is reported once"
+    nvml.xids = [13, 79]
+    xid = gpu.check()[2]
+    assert (xid.action, xid.detail) == (REPLACE_NODE, "XID [79]: hardware fault") and not report([xid])["ok"]
+    nvml.ecc = {3: 2}
+    ecc = gpu.check()[1]
+    assert (ecc.status, ecc.action) == ("fail", REPLACE_NODE) and "{3: 2}" in ecc.detail
+    nvml.count = 7
+    short = GpuMonitor(8, "gpu.8").check()[0]
+    assert (short.status, short.action) == ("fail", REPLACE_NODE) and "7 GPUs visible" in short.detail
+    assert restart_job_failures(report([xid_check([31])]), since=0)[0]["detail"] == \
+        "XID [31]: application-level fault"
+    assert restart_job_failures(report([xid_check([31])]), since=time.time() + 60) == [], "an older report"
+
+
 # ---- end to end: real controller, real agents ----------------------------------------------------------
 @pytest.mark.slow
 def test_create_lists_healthy_nodes_and_refuses_unauthenticated_requests(tmp_path, home):
@@ -238,12 +294,14 @@ def _check_replacement(client: ClusterClient, victim: str, spare: str, injected_
     ("fail-health", "health check failed: injected", (0.0, 3.0)),
     # alive but silent: the heartbeat timeout (3 s), counted from the last heartbeat (≤ 0.5 s before the freeze)
     ("freeze-node", "no heartbeat for", (2.5, 6.5)),
+    ("gpu-xid", "gpu.xid: XID [79] (injected): hardware fault", (0.0, 3.0)),  # NVML's path, from the check on
 ])
 def test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled(tmp_path, home, kind, reason, within):
     create_cluster(write_spec(tmp_path), timeout_s=60)
     client = ClusterClient("c1")
     injected_at = time.time()
-    result = runner.invoke(app, ["fault", "inject", "--node", "workers-0", "--kind", kind])
+    extra = ["--xid", "79"] if kind == "gpu-xid" else []
+    result = runner.invoke(app, ["fault", "inject", "--node", "workers-0", "--kind", kind, *extra])
     assert result.exit_code == 0, result.output
     faulty = _check_replacement(client, "workers-0", "workers-2", injected_at, within)
     assert reason in faulty["reason"]

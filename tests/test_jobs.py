@@ -316,6 +316,28 @@ def test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_
     assert cancelled["state"] == "cancelled"
     assert not any(process_running(w["pid"], "python") for w in second.values())
 
+    # an application-level GPU XID (13) on a node: the node stays, the job restarts on the same nodes (not a
+    # retry); without --auto-resume it fails. XID 79 (hardware) replaces the node: test_control
+    code, out = cli("fault", "inject", "--node", "workers-0", "--kind", "gpu-xid")
+    assert code != 0 and "xid is required with kind gpu-xid" in flat(out), out
+    resumable = jobs.submit(command=sleeper(120), nodes=2, auto_resume=True)
+    first = running_workers(jobs, resumable["id"], 1, 2)
+    code, out = cli("fault", "inject", "--node", "workers-0", "--kind", "gpu-xid", "--xid", "13")
+    assert code == 0, out
+    running_workers(jobs, resumable["id"], 2, 2)
+    info = jobs.describe(resumable["id"])
+    gen1, gen2 = info["generations"]
+    assert gen1["outcome"] == "restart-job" and gen2["nodes"] == gen1["nodes"] and info["retries"] == 0, gen1
+    assert "XID [13] (injected): application-level fault" in gen1["end_reason"], gen1["end_reason"]
+    assert not process_running(first[0]["pid"], "python") and nodes_by_name(client)["workers-0"]["state"] == "healthy"
+    jobs.cancel(resumable["id"])
+    plain = jobs.submit(command=sleeper(120), nodes=2)
+    running_workers(jobs, plain["id"], 1, 2)
+    client.inject_fault("workers-1", "gpu-xid", xid=31)
+    info = jobs.wait(plain["id"], timeout_s=30)
+    assert info["state"] == "failed" and "XID [31]" in info["reason"] and "auto-resume is off" in info["reason"]
+    assert not [e for e in client.events() if e["to_state"] == "faulty"], "a job-level XID replaces nothing"
+
     # without --auto-resume a node fault fails the job, saying which node and why; the node is still replaced
     plain = jobs.submit(command=sleeper(120), nodes=2)
     running_workers(jobs, plain["id"], 1, 2)

@@ -66,6 +66,7 @@ class Agent:
         self.lifecycle: dict | None = None
         self.health: dict | None = None
         self.injected: list[str] = []
+        self.injected_xids: list[int] = []  # `gpu-xid` faults: XIDs the next check reports
         self.exit_reason = ""
         self._lifecycle_proc: subprocess.Popen | None = None
         self._gpus = health.GpuMonitor(int(cfg["gpus"]), cfg["instance_type"])
@@ -151,6 +152,9 @@ class Agent:
         ]
         with self.lock:
             checks += [health.injected_failure(kind) for kind in self.injected]
+            if self.injected_xids:  # as if NVML had delivered them since the last check (reported once)
+                checks.append(health.xid_check(self.injected_xids, " (injected)"))
+                self.injected_xids = []
         result = health.report(checks)
         if not result["ok"]:
             log.error("health check failed: %s; reporting it, the controller decides what happens next",
@@ -190,7 +194,10 @@ class Agent:
         for fault in reply.get("faults", []):
             log.warning("fault injected by operator: %s; the next health check reports it", fault)
             with self.lock:
-                self.injected.append(fault)
+                if fault.startswith("xid:"):
+                    self.injected_xids.append(int(fault[4:]))
+                else:
+                    self.injected.append(fault)
             self.wake_checks.set()
         if reply.get("action") == "terminate":
             self.exit_reason = f"controller asked this node to terminate: {reply.get('reason', '')}"

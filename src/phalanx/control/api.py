@@ -33,7 +33,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from phalanx.control.jobstate import JobState
 from phalanx.control.scheduler import JobRequestError
@@ -76,8 +76,16 @@ class Heartbeat(BaseModel):
 
 class FaultRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["kill-node", "fail-health", "freeze-node", "kill-worker", "hang-worker"]
+    kind: Literal["kill-node", "fail-health", "freeze-node", "kill-worker", "hang-worker", "gpu-xid"]
     rank: int | None = None  # worker faults: which rank on the node (default: its lowest running rank)
+    xid: int | None = Field(None, ge=1, description="gpu-xid: the XID the node's GPU check reports")
+
+    @model_validator(mode="after")
+    def _xid_for_gpu_xid(self) -> "FaultRequest":
+        if (self.kind == "gpu-xid") != (self.xid is not None):
+            raise ValueError("xid is required with kind gpu-xid (e.g. 13: restart the job, 79: replace the node) "
+                             "and only with it")
+        return self
 
 
 class JobRequest(BaseModel):
@@ -212,6 +220,9 @@ def build_app(ctl) -> FastAPI:
         elif req.kind == "fail-health":
             store.add_directive(name, "fail-health")
             what = "the agent reports a failing health check after its next heartbeat"
+        elif req.kind == "gpu-xid":
+            store.add_directive(name, f"xid:{req.xid}")
+            what = f"the agent's GPU check reports XID {req.xid} after its next heartbeat"
         elif req.kind == "kill-node":
             pids = ctl.backend.kill(node)
             what = f"SIGKILL sent to the node's processes {pids}"

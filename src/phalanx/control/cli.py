@@ -185,6 +185,7 @@ class FaultKind(str, Enum):
     freeze_node = "freeze-node"
     kill_worker = "kill-worker"
     hang_worker = "hang-worker"
+    gpu_xid = "gpu-xid"
 
 
 @fault_app.command("inject")
@@ -192,12 +193,15 @@ def inject(node: str = typer.Option(..., "--node", help="node name (see `cluster
            kind: FaultKind = typer.Option(..., "--kind", help="kill-node: SIGKILL the node's processes; "
                                           "fail-health: the agent reports a failing check; freeze-node: SIGSTOP "
                                           "the agent (heartbeats stop); kill-worker: SIGKILL one job worker; "
-                                          "hang-worker: SIGSTOP one job worker (its progress stops)"),
+                                          "hang-worker: SIGSTOP one job worker (its progress stops); gpu-xid: "
+                                          "the node's GPU check reports an XID (--xid)"),
            rank: Optional[int] = typer.Option(None, "--rank", help="worker faults: the rank (default: the "
                                               "node's lowest running rank)"),
+           xid: Optional[int] = typer.Option(None, "--xid", help="gpu-xid: the XID (13, 31, 43, …: the job "
+                                             "restarts on the same nodes; 48, 79, …: the node is replaced)"),
            cluster: Optional[str] = typer.Option(None, help="cluster name (optional when only one exists)")) -> None:
     """Inject a fault into a node; the controller detects and handles it like a real one."""
     from phalanx.control.cluster import ClusterClient
 
-    reply = _guard(lambda: ClusterClient(cluster).inject_fault(node, kind.value, rank=rank))
+    reply = _guard(lambda: ClusterClient(cluster).inject_fault(node, kind.value, rank=rank, xid=xid))
     out.print(f"{node}: {reply['kind']} — {reply['detail']}")

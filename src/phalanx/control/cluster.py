@@ -115,9 +115,10 @@ class ClusterClient:
         except ControllerUnreachable:
             return self._read_store(lambda s: s.events(since_id=since_id, node=node, limit=limit))
 
-    def inject_fault(self, node: str, kind: str, *, rank: int | None = None) -> dict:
-        """kill-node | fail-health | freeze-node | kill-worker | hang-worker (`rank`: which worker)."""
-        body = {"kind": kind} if rank is None else {"kind": kind, "rank": rank}
+    def inject_fault(self, node: str, kind: str, *, rank: int | None = None, xid: int | None = None) -> dict:
+        """kill-node | fail-health | freeze-node | kill-worker | hang-worker (`rank`: which worker) | gpu-xid
+        (`xid`: what the node's GPU check reports)."""
+        body = {"kind": kind, **({"rank": rank} if rank is not None else {}), **({"xid": xid} if xid else {})}
         return self.call("POST", f"/v1/nodes/{node}/faults", body)
 
 

@@ -152,17 +152,28 @@ class GpuMonitor:
             except nv.NVMLError_Timeout:
                 break
             xids.append(int(data.eventData))
-        replace = sorted(x for x in xids if x in XID_REPLACE_NODE)
-        if replace:
-            return Check("gpu.xid", "fail", f"XID {replace}: hardware fault", REPLACE_NODE)
-        if xids:
-            return Check("gpu.xid", "fail", f"XID {sorted(set(xids))}: application-level fault", RESTART_JOB)
-        return Check("gpu.xid", "pass", self._xid_note)
+        return xid_check(xids) if xids else Check("gpu.xid", "pass", self._xid_note)
+
+
+def xid_check(xids: list[int], source: str = "") -> Check:
+    """XID events seen since the last check → the action they call for: a hardware XID replaces the node;
+    any other (an application-level fault: 13, 31, 43, …) restarts the job on the same nodes."""
+    replace = sorted(x for x in xids if x in XID_REPLACE_NODE)
+    if replace:
+        return Check("gpu.xid", "fail", f"XID {replace}{source}: hardware fault", REPLACE_NODE)
+    return Check("gpu.xid", "fail", f"XID {sorted(set(xids))}{source}: application-level fault", RESTART_JOB)
 
 
 def injected_failure(kind: str) -> Check:
     return Check("injected", "fail", f"fault injected by operator ({kind}): this node reports a failing check",
                  REPLACE_NODE)
+
+
+def restart_job_failures(health: dict | None, since: float) -> list[dict]:
+    """Failed checks of a health report taken at or after `since` whose action is to restart the job."""
+    if not health or health.get("checked_at", 0) < since:
+        return []
+    return [c for c in health["checks"] if c["status"] == "fail" and c.get("action") == RESTART_JOB]
 
 
 def report(checks: list[Check]) -> dict:

@@ -17,6 +17,9 @@ Fault policy, decided once every worker of the generation is confirmed gone:
                its workers froze (the node is marked faulty here; the reconciler replaces it from the spare
                pool). With auto-resume the job restarts on healthy nodes — the survivors plus promoted spares,
                waiting for one if none is free — and resumes from its newest checkpoint; without, it fails
+  restart-job  a node's health check failed with the action "restart-job" (an application-level GPU XID:
+               13, 31, 43, …): the node stays; with auto-resume the job restarts on the same nodes from its
+               newest checkpoint (not counted against max_retries); without, it fails
   app error    a worker exited non-zero while every node is healthy, or every rank stalled alive (a deadlock;
                see workers.py): the job restarts on the same nodes, up to max_retries times, then fails
 
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from phalanx.control import seam
+from phalanx.control.health import restart_job_failures
 from phalanx.control.jobstate import ACTIVE, FINAL, Generation, Job, JobRecords, JobState, WorkerRecord
 from phalanx.control.store import ClusterStatus, Node, NodeState, Store
 
@@ -437,6 +441,10 @@ class JobScheduler:
                 why = (node.reason or "").splitlines()[0] if node else "unknown node"
                 found.append({"kind": "node", "node": name, "rank": None, "time": time.time(),
                               "detail": f"node {name} {node.state.value if node else 'gone'}: {why}"})
+            elif failed := restart_job_failures(node.health, since=gen.started_at):
+                what = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
+                found.append({"kind": "restart-job", "node": name, "rank": None, "time": node.health["checked_at"],
+                              "detail": f"node {name} health check asks for a job restart ({what})"})
         for w in rows:
             if w.state == "exited" and not w.stopped and w.exit_code != 0:
                 if w.hang:
@@ -530,6 +538,22 @@ class JobScheduler:
             else:
                 why = (f"{root['detail']}; auto-resume is off, so the job is not restarted (submit with "
                        f"--auto-resume to restart it on a replacement node from its newest checkpoint)")
+                self.records.transition(job.id, J.FAILED, why)
+                log.error("job %s failed: %s", job.id, why)
+            return
+        gpu = [f for f in gen.faults if f["kind"] == "restart-job"]
+        if gpu:  # the node is sound, the job's processes on it are not: restart on the same nodes, not a retry
+            self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="restart-job",
+                                           end_reason=gpu[0]["detail"])
+            if job.auto_resume:
+                resume = "from the newest checkpoint" if job.kind == "train" else "(the command is run again)"
+                why = f"{gpu[0]['detail']}; next: restart on the same nodes {resume}"
+                self.records.update_job(job.id, reason=why)
+                self.store.record_event("recovery", why, job=job.id)
+                log.warning("job %s generation %d: %s", job.id, gen.generation, why)
+            else:
+                why = (f"{gpu[0]['detail']}; auto-resume is off, so the job is not restarted (submit with "
+                       f"--auto-resume to restart it on the same nodes)")
                 self.records.transition(job.id, J.FAILED, why)
                 log.error("job %s failed: %s", job.id, why)
             return
