@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
+from report import RESULTS_DIR, cpu_env, median, summary_of, write_results  # noqa: E402
 
 from phalanx.control.backend import child_with_env  # noqa: E402
 from phalanx.train.timeline import recovery_figures  # noqa: E402
@@ -349,7 +349,9 @@ def main() -> None:
                                                                 args.interval),
                    "parallel": {h.name: h.parallel for h in harnesses}},
         "samples": samples, "medians": medians, "snapshot_overhead_tokens_per_s": overhead,
-        "summary": {k: round(v, 4) for k, v in summary.items()},
+        "summary": {**{k: round(v, 4) for k, v in summary.items()},
+                    # torchft runs in its own harness (benchmarks/torchft_recovery.py); its figures sit here too
+                    **summary_of(args.out.with_name("recovery_torchft.json"), "torchft_")},
     })
     print(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
 

@@ -98,3 +98,28 @@ def write_results(path: Path, payload: dict) -> Path:
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def summary_of(path: Path, prefix: str) -> dict:
+    """The `prefix*` keys of another result file's summary, with where and when they were measured (for a
+    figure measured by its own script but reported in a shared summary, like torchft's in recovery.json)."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    keys = {k: v for k, v in record.get("summary", {}).items() if k.startswith(prefix)}
+    if keys:
+        keys[f"{prefix}measured_by"] = f"{path.name} ({record.get('created')}, {record.get('command')})"
+    return keys
+
+
+def merge_summary(path: Path, keys: dict) -> None:
+    """Add `keys` to the summary of the result file at `path`, if it exists (atomically)."""
+    path = Path(path)
+    if not path.is_file() or not keys:
+        return
+    record = json.loads(path.read_text())
+    record.setdefault("summary", {}).update(keys)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)

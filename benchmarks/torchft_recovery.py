@@ -405,7 +405,7 @@ def main() -> None:
     import shutil
 
     from recovery import job_tree, prepare_data
-    from report import RESULTS_DIR, median, write_results
+    from report import RESULTS_DIR, median, merge_summary, summary_of, write_results
 
     if not (args.torchft_path / "torchft" / "__init__.py").exists():
         sys.exit(f"torchft not found under {args.torchft_path} (--torchft-path or $TORCHFT_PATH)")
@@ -472,6 +472,7 @@ def main() -> None:
         "samples": samples, "medians": medians,
         "summary": {k: (round(v, 4) if v is not None else None) for k, v in summary.items()},
     })
+    merge_summary(out.with_name("recovery.json"), summary_of(path, "torchft_"))  # beside Phalanx's figures
     print(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
 
 

@@ -98,6 +98,10 @@ def test_moe_bf16_selective_checkpointing_async_save_and_resume(tmp_path, demo_d
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert committed_steps(run_dir / "checkpoints") == [6, 3]
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    _, events = read_metrics(run_dir)  # an async save is logged when it starts and again when it commits
+    assert [(e["event"], e["step"]) for e in events if e["event"].startswith("checkpoint_")] == \
+        [("checkpoint_started", 3), ("checkpoint_saved", 3), ("checkpoint_started", 6), ("checkpoint_saved", 6)]
+    assert all(e["async"] for e in events if e["event"] == "checkpoint_saved")
 
     run_training(tiny_config(run_dir, demo_data, training={"max_steps": 8}, **sections), nproc=2)
     _, events = read_metrics(run_dir)

@@ -36,6 +36,28 @@ def test_one_rank_fsdp4_and_hsdp_2x2_agree(tmp_path, demo_data, reference):
     assert reference[10] < reference[1] - 0.5, "the model should learn"
 
 
+def test_metrics_records_and_the_progress_line(tmp_path, demo_data, capfd):
+    """metrics.jsonl holds one record per step with the documented fields, and rank 0 prints the HyperPod-like
+    progress line every `log_interval` steps (the workers write to this process's stdout)."""
+    from phalanx.train.optim import lr_factor
+
+    config = tiny_config(tmp_path / "m", demo_data, training={"max_steps": 4, "log_interval": 2})
+    steps = run_training(config, nproc=2)
+    out = capfd.readouterr().out
+    tokens_per_step = 8 * 64  # global batch 8 × block 64
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    for s in steps:
+        assert {"time", "step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "samples_consumed"} <= set(s)
+        assert s["samples_consumed"] == 8 * s["step"] and s["grad_norm"] > 0 and s["step_time_s"] > 0
+        assert s["tokens_per_s"] == pytest.approx(tokens_per_step / s["step_time_s"])
+        assert s["lr"] == pytest.approx(3e-3 * lr_factor(s["step"] - 1, warmup_steps=3, decay_steps=30,
+                                                          min_lr_ratio=config.lr_schedule.min_lr_ratio))
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and lines[0].startswith("step     2/4 loss ") and lines[1].startswith("step     4/4 ")
+    for part in ("grad_norm ", "lr ", "consumed 16 ", "iter ", "tok/s"):
+        assert part in lines[0], lines[0]
+
+
 def test_stop_at_15_and_resume_to_30_is_exact(tmp_path, demo_data, reference):
     run_dir = tmp_path / "pieces"
     first = run_training(tiny_config(run_dir, demo_data, training={"max_steps": 15}), nproc=4)

@@ -15,10 +15,12 @@ import logging
 import os
 import re
 import shutil
+import time
 import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -87,13 +89,16 @@ def committed_steps(root: Path) -> list[int]:
 class _Pending:
     step: int
     future: Future | None
+    started: float  # perf_counter at save()
 
 
 class CheckpointManager:
     """Save / commit / prune / find-latest. Collective: every rank calls save() and load()."""
 
-    def __init__(self, root: Path, *, keep: int, async_save: bool, verify_checksums: bool):
+    def __init__(self, root: Path, *, keep: int, async_save: bool, verify_checksums: bool,
+                 on_commit: Callable[[int, float], None] | None = None):
         self.root = Path(root)
+        self.on_commit = on_commit  # (step, seconds from save() to the commit), on every rank
         self.keep = keep
         self.async_save = async_save
         self.verify_checksums = verify_checksums
@@ -108,6 +113,7 @@ class CheckpointManager:
     def save(self, step: int, state: dict) -> None:
         """Write `state` (a dict of Stateful objects / tensors) for `step`; commit when all ranks finished."""
         self.wait()  # at most one save in flight
+        started = time.perf_counter()
         tmp = self.root / f"step-{step:08d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -115,10 +121,10 @@ class CheckpointManager:
         dist.barrier()
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
-            self._pending = _Pending(step, future)
+            self._pending = _Pending(step, future, started)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
-            self._pending = _Pending(step, None)
+            self._pending = _Pending(step, None, started)
             self.wait()
 
     def wait(self) -> int | None:
@@ -139,6 +145,8 @@ class CheckpointManager:
             _fsync_dir(self.root)
             self._prune()
         dist.barrier(group=self._async_group) if self._async_group is not None else dist.barrier()
+        if self.on_commit is not None:
+            self.on_commit(pending.step, time.perf_counter() - pending.started)
         return pending.step
 
     def _prune(self) -> None:

@@ -147,6 +147,7 @@ class Trainer:
             keep=config.checkpoint.keep,
             async_save=config.checkpoint.async_save,
             verify_checksums=config.checkpoint.verify_checksums,
+            on_commit=self._checkpoint_committed,
         )
 
     # ---- build ----------------------------------------------------------------------------------
@@ -198,14 +199,19 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
+        """Synchronous: `checkpoint_saved` once committed. Async: `checkpoint_started` when training may go on
+        (`seconds`: the time it blocked), `checkpoint_saved` when the save commits (at the next save or at the
+        end)."""
         start = time.perf_counter()
         self.checkpoints.save(self.progress.step, self._state())
-        self.metrics.event(
-            "checkpoint_saved" if not self.config.checkpoint.async_save else "checkpoint_started",
-            step=self.progress.step,
-            seconds=round(time.perf_counter() - start, 3),
-            dir=str(self.config.checkpoint_dir),
-        )
+        if self.config.checkpoint.async_save:
+            self.metrics.event("checkpoint_started", step=self.progress.step,
+                               seconds=round(time.perf_counter() - start, 3), dir=str(self.config.checkpoint_dir))
+
+    def _checkpoint_committed(self, step: int, seconds: float) -> None:
+        self.metrics.event("checkpoint_saved", step=step, seconds=round(seconds, 3),
+                           dir=str(self.config.checkpoint_dir), **({"async": True} if self.config.checkpoint.async_save
+                                                                    else {}))
 
     def maybe_resume(self) -> bool:
         if not self.config.checkpoint.resume:
