@@ -16,6 +16,8 @@ SIGKILLed the moment rank 0 logs that step:
   checkpointless  the same cluster, job and kill, submitted with `--recovery checkpointless`. Survivors keep
             their processes and regroup; the spare's warm standby takes rank 1 and restores its shard from
             the other replica (rank 3).
+  cold      checkpointless as above on a cluster of its own whose spare has no warm standby: the
+            replacement is a fresh process (the agent spawns it when the new generation is assigned).
   buddy     checkpointless without a replica: the same job as FSDP over 4 ranks (`dp_replicate: 1`), buddy
             snapshots every step; the replacement restores from its buddy's snapshot and everyone rolls back
             to the newest snapshot all shards have.
@@ -32,7 +34,9 @@ Figures per run (see `phalanx.train.timeline`; times from the kill, taken just b
                  past it again, minus one normal step (median step time before the kill)
   stall_s        checkpointless: kill → the survivors' next committed step, minus one normal step
   rejoin_s       checkpointless: the replacement's activation (a warm standby adopted as rank 1; its process
-                 was spawned ahead, torch imported) → its first committed step (the job's next step)
+                 was spawned ahead, torch imported) → its first committed step (the job's next step); for
+                 `cold` (no warm standby) from the new generation's start, before its agent spawns the process
+                 (spawn, torch import, model build and restore all count)
 
 Snapshot overhead (`--overhead-runs`, default 3): the same job without a failure on the same cluster, with
 `resilience.snapshot_interval` 1 vs 0, interleaved; median tokens/s after warm-up, ratio on ÷ off.
@@ -106,6 +110,7 @@ class PhalanxHarness:
     name = "phalanx"
     recovery = "restart"
     parallel = HSDP
+    cluster_name, warm_standby = "bench", True
 
     def __init__(self, root: Path, cluster: "PhalanxHarness | None" = None):
         if cluster is not None:  # share another harness's cluster
@@ -116,18 +121,19 @@ class PhalanxHarness:
         from phalanx.control.jobs import JobClient
 
         os.environ["PHALANX_HOME"] = str(root / "home")
-        spec = root / "cluster.yaml"
+        spec = root / f"{self.cluster_name}.yaml"
         spec.write_text(json.dumps({
-            "name": "bench", "backend": "local", "node_recovery": "automatic",
-            "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": NODES, "spares": 1}],
+            "name": self.cluster_name, "backend": "local", "node_recovery": "automatic",
+            "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": NODES, "spares": 1,
+                                 "warm_standby": self.warm_standby}],
             "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 120.0}}))
         create_cluster(spec, timeout_s=120)
-        self.client, self.jobs = ClusterClient("bench"), JobClient("bench")
+        self.client, self.jobs = ClusterClient(self.cluster_name), JobClient(self.cluster_name)
 
     def spare_ready(self) -> bool:
         """A healthy spare; for checkpointless, also its warm standby, warmed up."""
         spares = [n for n in self.client.nodes() if n["is_spare"] and n["state"] == "healthy"]
-        if self.recovery != "checkpointless":
+        if self.recovery != "checkpointless" or not self.warm_standby:
             return bool(spares)
         from phalanx.demo import spare_standby_warm
 
@@ -165,7 +171,8 @@ class PhalanxHarness:
             restored = next(e for e in events if e.get("event") == "state_restored")
             if restored["source"] == "checkpoint":
                 raise RuntimeError(f"job {job['id']}: fell back to the checkpoint ({restored['reason']})")
-            activated = generation["rejoin_started_at"]
+            # warm: the standby's adoption; cold: the generation's start, before the agent spawns the process
+            activated = generation["rejoin_started_at"] if self.warm_standby else info["generations"][1]["started_at"]
             first_after = killed_at + figures.first_step_after_s
             out.update(stall_s=figures.first_step_after_s - figures.normal_step_s,
                        rejoin_s=first_after - activated if activated else None,
@@ -189,12 +196,18 @@ class PhalanxHarness:
         from phalanx.control.cluster import delete_cluster
 
         if self.owner:
-            delete_cluster("bench", timeout_s=30)
+            delete_cluster(self.cluster_name, timeout_s=30)
 
 
 class CheckpointlessHarness(PhalanxHarness):
     name = "checkpointless"
     recovery = "checkpointless"
+
+
+class ColdCheckpointlessHarness(CheckpointlessHarness):
+    """Checkpointless on a cluster without warm standbys (its own): the replacement is a fresh process."""
+    name = "cold"
+    cluster_name, warm_standby = "bench-cold", False
 
 
 class BuddyHarness(CheckpointlessHarness):
@@ -261,9 +274,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--interval", type=int, default=50, help="checkpoint interval (steps)")
     parser.add_argument("--fail-step", type=int, default=75, help="kill one rank when rank 0 logs this step")
-    parser.add_argument("--harness", default="checkpointless,buddy,phalanx,torchrun",
-                        help="comma-separated: checkpointless (HSDP 2x2), buddy (checkpointless, FSDP 4), phalanx "
-                             "(restart from checkpoint), torchrun")
+    parser.add_argument("--harness", default="checkpointless,buddy,cold,phalanx,torchrun",
+                        help="comma-separated: checkpointless (HSDP 2x2), buddy (checkpointless, FSDP 4), cold "
+                             "(checkpointless, HSDP 2x2, no warm standby), phalanx (restart from checkpoint), "
+                             "torchrun")
     parser.add_argument("--overhead-runs", type=int, default=3, help="snapshot on/off pairs (0: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "recovery.json")
     args = parser.parse_args()
@@ -278,6 +292,8 @@ def main() -> None:
             kind = {"phalanx": PhalanxHarness, "checkpointless": CheckpointlessHarness, "buddy": BuddyHarness}[name]
             h = kind(root, cluster)
             cluster = cluster or h
+        elif name == "cold":
+            h = ColdCheckpointlessHarness(root)
         else:
             h = TorchrunHarness(root)
         harnesses.append(h)
@@ -325,6 +341,10 @@ def main() -> None:
                        rejoin_s=m["rejoin_s"], checkpointless_steps_lost=m["steps_lost"],
                        checkpointless_detect_s=m["detect_s"])
         summary.setdefault("detect_s", m["detect_s"])
+    if "cold" in medians:
+        m = medians["cold"]
+        summary.update(cold_downtime_s=m["downtime_s"], cold_survivor_stall_s=m["stall_s"],
+                       cold_rejoin_s=m["rejoin_s"], cold_steps_lost=m["steps_lost"])
     if "buddy" in medians:
         m = medians["buddy"]
         summary.update(buddy_downtime_s=m["downtime_s"], buddy_survivor_stall_s=m["stall_s"],

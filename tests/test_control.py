@@ -171,6 +171,24 @@ def test_gpu_check_skips_cpu_types_and_fails_gpu_types_without_nvml():
         assert check.status == "fail" and "expects 8 GPUs" in check.detail and not report([check])["ok"]
 
 
+def test_a_clusters_leftover_scan_never_matches_another_cluster_whose_name_extends_it(tmp_path):
+    """Deleting cluster `bench` must not take `bench-cold`'s processes for its own leftovers."""
+    import subprocess
+
+    cmd = [sys.executable, "-c", "import time; time.sleep(30)"]
+    procs = [subprocess.Popen(cmd + [arg]) for arg in (f"{tmp_path}/bench/nodes/n0/agent.json",
+                                                       f"{tmp_path}/bench-cold/nodes/n0/agent.json",
+                                                       f"--cluster-dir={tmp_path}/bench")]
+    try:
+        found = wait_for(lambda: len(processes_mentioning(str(tmp_path))) == 3 and processes_mentioning(
+            f"{tmp_path}/bench"), 10, "the processes to start")
+        assert sorted(found) == sorted([procs[0].pid, procs[2].pid])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 class FakeNvml:
     """What GpuMonitor uses of pynvml, for a node with `count` GPUs: uncorrected ECC counts by index and XID
     events queued for the next check."""

@@ -59,13 +59,22 @@ def process_running(pid: int | None, marker: str) -> bool:
     return stat is not None and stat[0] != "Z" and marker in cmdline(pid)
 
 
-def processes_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains `text` (used to prove nothing was left behind)."""
+def processes_mentioning(path: str) -> list[int]:
+    """Live processes whose command line names `path` or something under it (used to prove nothing was left
+    behind). A path matches whole components only: /c/bench does not match a process of /c/bench-cold."""
+    path = path.rstrip("/")
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             stat = _proc_stat(int(entry))
-            if stat is not None and stat[0] != "Z" and text in cmdline(int(entry)):
+            if stat is None or stat[0] == "Z":
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    args = f.read().decode(errors="replace").split("\0")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if any(a == path or a.endswith("=" + path) or path + "/" in a for a in args):
                 found.append(int(entry))
     return found
 
