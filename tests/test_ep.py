@@ -183,8 +183,13 @@ def test_train_with_ep2_on_4_processes_and_resume_with_ep4_and_ep1(tmp_path, dem
     run_dir = tmp_path / "ep2"
     # Full activation checkpointing: the recomputed forward dispatches again (and must match); the resumed
     # runs below go without it (same numerics).
-    ref = losses(run_training(moe_config(run_dir, demo_data, ep=2, max_steps=8, ac="full"), nproc=4))
+    steps = run_training(moe_config(run_dir, demo_data, ep=2, max_steps=8, ac="full"), nproc=4)
+    ref = losses(steps)
     assert sorted(ref) == list(range(1, 9)) and ref[8] < ref[1] - 0.3, "the model should learn"
+    # each step's record says how the global batch was routed: 8 samples × 64 tokens × top-2 × 2 MoE layers
+    # (counted once although the checkpointed forward runs again in backward), none dropped (dropless)
+    assert all(sum(s["tokens_per_expert"]) == 8 * 64 * 2 * 2 and len(s["tokens_per_expert"]) == 8
+               and s["dropped_pairs"] == 0 for s in steps), [s["tokens_per_expert"] for s in steps]
     _, events = read_metrics(run_dir)
     assert "experts over EP 2" in next(e for e in events if e["event"] == "started")["layout"]
 

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from phalanx.data import GlobalBatchSampler, TokenDataset
 from phalanx.models import ModelConfig, Transformer, get_preset
+from phalanx.models.moe import MoEFeedForward
 from phalanx.parallel import (
     ParallelDims,
     apply_activation_checkpointing,
@@ -128,6 +129,7 @@ class Trainer:
             dp_size=self.dims.dp_size,
         )
         self.model = self._build_model()
+        self.moe_blocks = [m for m in self.model.modules() if isinstance(m, MoEFeedForward)]
         self.ready = init_weights  # the local state is valid (initialised, loaded or restored)
         if init_weights:
             self.initialize_weights()
@@ -256,9 +258,13 @@ class Trainer:
         )
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
         loss_sum = torch.zeros((), device=self.device)
+        routed = (torch.zeros(self.model_config.n_experts + 1, dtype=torch.float64, device=self.device)
+                  if self.moe_blocks else None)
         for indices in micro_batches:
             tokens = self.dataset.get_batch(indices).to(self.device, non_blocking=True)
             loss, _aux = self.model(tokens, tokens)
+            if routed is not None:  # read before backward: activation checkpointing re-runs the forward
+                routed += self._routed_pairs()
             (loss / self.accum).backward()
             loss_sum += loss.detach()
         # Mean loss over the global batch (every data-parallel rank contributes equally), reduced before the
@@ -282,7 +288,7 @@ class Trainer:
         step_time = time.perf_counter() - start
 
         tokens_per_step = cfg.training.global_batch_size * self.dataset.meta.block_size
-        return {
+        record = {
             "step": self.progress.step,
             "loss": loss_mean.item(),
             "grad_norm": float(grad_norm),
@@ -291,6 +297,17 @@ class Trainer:
             "step_time_s": step_time,
             "samples_consumed": self.progress.samples_consumed,
         }
+        if routed is not None:  # MoE: how the global batch was routed
+            counts = [int(v) for v in routed.tolist()]
+            record.update(tokens_per_expert=counts[:-1], dropped_pairs=counts[-1])
+        return record
+
+    def _routed_pairs(self) -> torch.Tensor:
+        """(token, expert) pairs routed to each expert by the last forward, summed over the MoE layers, then
+        the pairs dropped over capacity: [n_experts + 1]. The blocks count over the data-parallel group
+        (`apply_ep`), so the figures are the global batch's."""
+        return torch.cat([torch.stack([b.tokens_per_expert for b in self.moe_blocks]).sum(0),
+                          torch.stack([b.dropped_pairs for b in self.moe_blocks]).sum().reshape(1)]).double()
 
     def start(self) -> None:
         """Resume from the newest valid checkpoint, or record a fresh start."""
