@@ -188,6 +188,7 @@ def test_a_worker_dying_at_any_moment_of_a_step_continues_exactly(tmp_path, home
         info = jobs.wait(name, timeout_s=180)
         where = f"{layout}, rank {drill['rank']} killed during {drill['at']} of step {drill['step']}"
         assert info["state"] == "succeeded" and info["last_step"] == STEPS, (where, info["reason"])
+        assert len(info["generations"]) == 2, (where, [(g["outcome"], g["end_reason"]) for g in info["generations"]])
         first, second = info["generations"]
         assert first["outcome"] == "process-fault", (where, first)
         assert second["nodes"] == first["nodes"], "a process fault keeps the node: the rank restarts there"

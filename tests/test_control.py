@@ -26,8 +26,8 @@ from phalanx.control import seam
 from phalanx.control.backend import AGENT_MODULE, process_group_members, process_running, processes_mentioning
 from phalanx.control.cluster import (ClusterClient, CreateFailed, controller_pid, create_cluster, delete_cluster,
                                      start_controller)
-from phalanx.control.health import (REPLACE_NODE, RESTART_JOB, GpuMonitor, report, restart_job_failures,
-                                    xid_check)
+from phalanx.control.health import (REPLACE_NODE, RESTART_JOB, GpuMonitor, check_workers, report,
+                                    restart_job_failures, xid_check)
 from phalanx.control.paths import ClusterPaths, list_clusters
 from phalanx.control.spec import SpecError, load_spec
 from phalanx.control.store import IllegalTransition, NodeState, Store
@@ -241,6 +241,9 @@ def test_gpu_checks_map_count_ecc_and_xids_to_actions(monkeypatch):
     assert restart_job_failures(report([xid_check([31])]), since=0)[0]["detail"] == \
         "XID [31]: application-level fault"
     assert restart_job_failures(report([xid_check([31])]), since=time.time() + 60) == [], "an older report"
+    # a dead worker is the scheduler's to judge (from the heartbeat's worker reports): the check only informs
+    dead = check_workers({0: None, 1: -9})
+    assert dead.status == "fail" and dead.action is None and restart_job_failures(report([dead]), since=0) == []
 
 
 # ---- end to end: real controller, real agents ----------------------------------------------------------
@@ -273,12 +276,22 @@ def test_create_lists_healthy_nodes_and_refuses_unauthenticated_requests(tmp_pat
 
     info = client.describe()
     assert info["status"] == "in-service" and info["groups"][0]["spares_ready"] == 1
+    described = runner.invoke(app, ["cluster", "describe", "c1"])  # the same through the CLI
+    assert described.exit_code == 0 and "status in-service" in flat(described.output), described.output
+    assert "workers local.cpu-1 2/2 1/1" in flat(described.output), described.output
+    events = runner.invoke(app, ["cluster", "events", "--node", "workers-2"])
+    assert events.exit_code == 0 and "healthy" in events.output and "initial spare" in flat(events.output)
     import torch.distributed as dist  # the rendezvous store the controller owns is a real TCPStore
 
     host, port = seam.parse_store_addr(info["store"]["addr"])
     store = dist.TCPStore(host, port, is_master=False)
     store.set("probe", "1")
     assert store.get("probe") == b"1"
+
+
+def flat(text: str) -> str:
+    """Rich wraps and pads table cells: compare words, not layout."""
+    return " ".join(text.replace("│", " ").replace("┃", " ").split())
 
 
 def _check_replacement(client: ClusterClient, victim: str, spare: str, injected_at: float, within: tuple):

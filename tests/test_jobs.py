@@ -283,8 +283,10 @@ def test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_
     jobs, client = JobClient("c1"), ClusterClient("c1")
 
     # an application error: retried max_retries times on the same nodes, then the job fails and says why
-    failing = jobs.submit(command=[PY, "-c", "import sys; print('boom', flush=True); sys.exit(3)"], nodes=2,
-                          max_retries=2, auto_resume=True)
+    code, out = cli("job", "submit", "--nodes", 2, "--max-retries", 2, "--auto-resume", "--name", "boom", "--",
+                    PY, "-c", "import sys; print('boom', flush=True); sys.exit(3)")
+    assert code == 0 and "auto-resume on, max-retries 2" in flat(out), out
+    failing = jobs.describe("boom")
     info = jobs.wait(failing["id"], timeout_s=60)
     assert info["state"] == "failed" and info["attempts"] == 3 and info["retries"] == 2
     assert "exited with code 3" in info["reason"] and "max_retries=2" in info["reason"], info["reason"]
@@ -299,6 +301,9 @@ def test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_
     followed: list[str] = []
     assert jobs.follow(failing["id"], write=followed.append)["state"] == "failed"  # returns: the job is over
     assert followed == logged.splitlines() and followed[0].startswith("[rank ") and "=== phalanx: job" in followed[0]
+    code, out = cli("job", "logs", "boom", "-f")  # the CLI follows until the job is over, then says how it ended
+    assert code == 0 and out.splitlines()[:len(followed)] == followed, out
+    assert f"job {failing['id']} failed: rank" in flat("\n".join(out.splitlines()[len(followed):])), out
     assert not [e for e in client.events() if e["to_state"] == "faulty"], "an app error replaces nothing"
 
     # kill-worker is the same path: the agent reports the exit, the job restarts on the same nodes

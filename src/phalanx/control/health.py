@@ -1,8 +1,8 @@
 """Node health checks, run by the agent on a schedule. Each returns pass / fail / skipped with a detail.
 
 - host:     free disk in the node's work dir, available memory
-- workers:  the job workers the agent runs now are alive or exited 0 (a failure only restarts the job:
-            the scheduler already sees each exit through the heartbeat)
+- workers:  the job workers the agent runs now are alive or exited 0 (informational: the scheduler already
+            judges each exit from the heartbeat's worker reports)
 - gpu:      via NVML when `pynvml` is importable: device count vs the instance type, uncorrected ECC
             errors, and XID events, mapped to an action the way HyperPod maps them (replace the node, or
             only restart the job). Skipped with a reason when the instance type expects no GPUs.
@@ -35,7 +35,7 @@ class Check:
     name: str
     status: str  # "pass" | "fail" | "skipped"
     detail: str
-    action: str | None = None  # for failures: REPLACE_NODE or RESTART_JOB
+    action: str | None = None  # for failures: REPLACE_NODE, RESTART_JOB, or None (informational)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,7 +74,9 @@ def check_workers(workers: dict[int, int | None]) -> Check:
         return Check("workers", "pass", "no workers assigned")
     dead = {r: c for r, c in workers.items() if c is not None and c != 0}
     if dead:
-        return Check("workers", "fail", f"workers exited: {dead}", RESTART_JOB)
+        # no action: the scheduler already judges each exit from the heartbeat's worker reports (this check
+        # may also run between generations, before the agent learns its next assignment)
+        return Check("workers", "fail", f"workers exited: {dead}")
     return Check("workers", "pass", f"{len(workers)} workers alive")
 
 

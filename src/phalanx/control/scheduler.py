@@ -23,6 +23,9 @@ Fault policy, decided once every worker of the generation is confirmed gone:
   app error    a worker exited non-zero while every node is healthy, or every rank stalled alive (a deadlock;
                see workers.py): the job restarts on the same nodes, up to max_retries times, then fails
 
+Checkpointless jobs end a generation by a hardware-like fault without stopping its survivors: that policy,
+and what their workers report through the store, is `inplace.InPlaceRecovery`.
+
 Every generation gets a fresh MASTER_PORT (picked free on the rank-0 node), so a restart never meets the
 previous generation's rendezvous. One log line per fault says what happened and what happens next.
 """
@@ -39,13 +42,12 @@ from typing import Callable
 
 from phalanx.control import seam
 from phalanx.control.health import restart_job_failures
+from phalanx.control.inplace import NODE_FAULTS, InPlaceRecovery
 from phalanx.control.jobstate import ACTIVE, FINAL, Generation, Job, JobRecords, JobState, WorkerRecord
 from phalanx.control.store import ClusterStatus, Node, NodeState, Store
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
-NODE_FAULTS = ("node", "hang")
-IN_PLACE_OUTCOMES = ("node-fault", "process-fault", "stranded")
 
 
 class JobRequestError(ValueError):
@@ -72,7 +74,7 @@ class JobScheduler:
         self.token = ""  # the cluster token, put in a standby's env (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
-        self._left_seen: dict[tuple[str, int], float] = {}  # (job, generation) → when ranks were seen leaving it
+        self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous)  # checkpointless jobs
 
     # ---- API: submit, cancel, describe --------------------------------------------------------------
     def submit(self, *, kind: str, nodes: int, name: str | None = None, group: str | None = None,
@@ -192,14 +194,14 @@ class JobScheduler:
                 if gen is None or node.name not in gen.nodes:
                     continue
                 if job.state == J.RECOVERING:
-                    if self._in_place(job, gen):  # survivors wait in their processes for the next generation
+                    if self.inplace.in_place(job, gen):  # survivors wait in their processes for the next generation
                         out.append({"job": job.id, "generation": gen.generation, "hold": True, "ranks": []})
                     continue
                 if gen.stop_at is not None:
                     continue
                 per = job.workers_per_node
                 first = gen.nodes.index(node.name) * per
-                survivors = self._survivor_slots(job, gen)
+                survivors = self.inplace.survivor_slots(job, gen)
                 ranks = [{"rank": first + i, "local_rank": i, "standby": gen.standbys.get(str(first + i)),
                           "carry": (node.name, i) in survivors} for i in range(per)]
                 progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
@@ -222,32 +224,6 @@ class JobScheduler:
         with self.lock:
             busy = any(node.name in j.nodes for j in self.records.jobs(ACTIVE))
             return 0 if busy else self.spec.group(node.group).profile.worker_slots
-
-    def _in_place(self, job: Job, gen: Generation) -> bool:
-        """The generation ended by a fault its survivors recover from in their own processes."""
-        return job.recovery == seam.CHECKPOINTLESS and gen.outcome in IN_PLACE_OUTCOMES
-
-    def _survivor_slots(self, job: Job, gen: Generation) -> set[tuple[str, int]]:
-        """Checkpointless: the (node, local rank) slots of `gen` a surviving process of the previous generation
-        must serve — every slot of a node kept from it, except the slots whose process was a fault there. The
-        agent reports such a survivor that died before it could be carried as a fault of `gen` (its peers are
-        already regrouping with it), never silently starting a fresh process in its place."""
-        prev = self.records.generation(job.id, gen.generation - 1) if gen.generation > 1 else None
-        if prev is None or not self._in_place(job, prev):
-            return set()
-        per = job.workers_per_node
-        faulted = {(f["node"], f["rank"] % per) for f in prev.faults if f.get("rank") is not None}
-        return {(n, i) for n in gen.nodes if n in prev.nodes for i in range(per)} - faulted
-
-    def _standby_nodes(self, job: Job, gen: Generation) -> list[str]:
-        """Nodes of `gen` whose ranks a warm standby may take: every node of a training job's generation,
-        except those whose workers survive into it (checkpointless)."""
-        if job.kind != "train":
-            return []
-        prev = self.records.generation(job.id, gen.generation - 1) if gen.generation > 1 else None
-        if prev is None or not self._in_place(job, prev):
-            return list(gen.nodes)
-        return [n for n in gen.nodes if n not in prev.nodes]
 
     def _worker_env(self, job: Job) -> dict:
         env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"} if self.spec.backend == "local" else {}
@@ -299,139 +275,21 @@ class JobScheduler:
             self.records.transition(job.id, J.SUCCEEDED, done + (f" (last step {step})" if step is not None else ""))
             log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
             return
-        self._note_restored(job, gen)
-        if self._finished_checkpointless(job, gen, rows, now):
+        self.inplace.note_restored(job, gen)
+        if self.inplace.finished(job, gen, rows, now):
             return
-        faults = self._faults(job, gen, rows) or self._stranded(job, gen, now)
+        faults = self._faults(job, gen, rows) or self.inplace.stranded(job, gen, now)
         if not faults:
             return
         self._record_faults(job, gen, faults, mark_faulty)
-        if job.recovery == seam.CHECKPOINTLESS and all(self._recoverable_in_place(f) for f in faults):
-            return self._recover_in_place(job, gen, faults)
+        if job.recovery == seam.CHECKPOINTLESS and all(self.inplace.recoverable(f) for f in faults):
+            return self.inplace.recover(job, gen, faults)
         # stop_at: taken now, under the lock — a reply with a later sent_at no longer carries this generation
         self.records.update_generation(job.id, gen.generation, stop_at=time.time())
         first = faults[0]["detail"]
         self.records.transition(job.id, J.RECOVERING, f"generation {gen.generation} stopping: {first}")
         log.warning("job %s generation %d: %s; next: stop its other workers, then restart or fail the job by the "
                     "fault policy", job.id, gen.generation, first)
-
-    def _finished_checkpointless(self, job: Job, gen: Generation, rows: list[WorkerRecord], now: float) -> bool:
-        """Checkpointless: once rank 0 has said training finished (every rank past the last step and the final
-        checkpoint), a rank that dies on its way out loses nothing: wait for all to exit, then succeed."""
-        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
-            return False
-        try:
-            if not self.rendezvous.check([seam.finished_key(job.id)]):
-                return False
-            finished = json.loads(self.rendezvous.get(seam.finished_key(job.id)))
-        except (RuntimeError, ValueError):
-            return False
-        # a worker on a node that is no longer healthy may never be reported again (its agent froze, or was
-        # terminated before it could report the exit): training finished, so it is not waited for
-        states = {n: self._node_state(n) for n in gen.nodes}
-        unhealthy = {n: st.value if st else "gone" for n, st in states.items() if st != S.HEALTHY}
-        if any(w.state != "exited" and w.node not in unhealthy for w in rows):
-            return True  # the others are on their way out
-        bad = [f"rank {w.rank} {w.detail}" if w.state == "exited" else
-               f"rank {w.rank} not seen exiting: its node {w.node} is {unhealthy[w.node]}"
-               for w in rows if w.state != "exited" or w.exit_code != 0]
-        done = "training finished" + (f" (then {'; '.join(bad)} on the way out)" if bad else "")
-        step = finished["step"]  # rank 0's word: a rank whose agent stopped relaying may show an older step
-        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome="succeeded",
-                                       end_reason=done, last_step=step)
-        self.records.update_job(job.id, last_step=step)
-        self.records.transition(job.id, J.SUCCEEDED, done + (f" (last step {step})" if step is not None else ""))
-        log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
-        return True
-
-    def _stranded(self, job: Job, gen: Generation, now: float) -> list[dict]:
-        """Checkpointless: ranks left the generation after a failed collective, yet no worker exited and every
-        node is healthy past the time a real fault takes to show (a heartbeat timeout): a network error broke
-        the collective. Without a new generation the survivors would wait out their recovery timeout, so this
-        is a fault of its own, recovered in place with every process."""
-        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
-            return []
-        try:
-            left = self.rendezvous.add(seam.left_key(job.id, gen.generation), 0)
-        except RuntimeError:
-            return []
-        key = (job.id, gen.generation)
-        if not left:
-            self._left_seen.pop(key, None)
-            return []
-        first = self._left_seen.setdefault(key, now)
-        grace = self.spec.health.heartbeat_timeout_s + 2 * self.spec.health.heartbeat_interval_s
-        if now - first < grace:
-            return []
-        del self._left_seen[key]
-        return [{"kind": "stranded", "node": None, "rank": None, "time": first,
-                 "detail": f"{left} rank(s) left generation {gen.generation} after a failed collective and no "
-                           f"worker or node fault followed within {grace:g} s (a network error?)"}]
-
-    @staticmethod
-    def _recoverable_in_place(fault: dict) -> bool:
-        """A node's fault, or a process killed by a signal: its peers' state is intact. A worker that
-        exited with an error code (a bug, a bad batch) or a stall is the application's: restart it all."""
-        killed = fault["kind"] == "exit" and (fault.get("code") or 0) < 0
-        return fault["kind"] in (*NODE_FAULTS, "stranded") or killed
-
-    def _recover_in_place(self, job: Job, gen: Generation, faults: list[dict]) -> None:
-        """Checkpointless: end the generation now without stopping its survivors; the failed ranks' nodes are
-        replaced (or, for a killed process on a healthy node, the node keeps its place) and `advance` starts
-        the next generation, which the survivors join from their own processes."""
-        now = time.time()
-        node_fault = any(f["kind"] in NODE_FAULTS for f in faults)
-        first = faults[0]["detail"]
-        bad = sorted({f["node"] for f in faults if f["kind"] in NODE_FAULTS})
-        stranded = all(f["kind"] == "stranded" for f in faults)
-        outcome = "node-fault" if node_fault else "stranded" if stranded else "process-fault"
-        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, end_reason=first,
-                                       outcome=outcome)
-        if node_fault:
-            self.records.update_job(job.id, node_faults=job.node_faults + 1)
-        if stranded:
-            what = (f"{first}; next: every process regroups in generation {gen.generation + 1} on the same nodes "
-                    f"and continues from the newest step all of them hold")
-        else:
-            what = (f"{first}; next: survivors keep running and wait for generation {gen.generation + 1}"
-                    + (f" with {', '.join(bad)} replaced" if bad else " (a new process in the failed one's place)")
-                    + ", where the replacement restores its state from peers' memory")
-        self.records.transition(job.id, J.RECOVERING, what)
-        self.store.record_event("recovery", what, job=job.id)
-        log.warning("job %s generation %d (checkpointless): %s", job.id, gen.generation, what)
-
-    def _note_restored(self, job: Job, gen: Generation) -> None:
-        """Checkpointless: once the generation's rank 0 reports how it restored its state, record it."""
-        if job.recovery != seam.CHECKPOINTLESS or gen.restored is not None or self.rendezvous is None:
-            return
-        key = seam.recovered_key(job.id, gen.generation)
-        try:
-            if not self.rendezvous.check([key]):
-                return
-            summary = json.loads(self.rendezvous.get(key))
-        except (RuntimeError, ValueError):
-            return
-        told = {e["event"]: e for e in summary.pop("events", [])}
-        self.records.update_generation(job.id, gen.generation, restored=summary)
-        g = gen.generation
-        if "fault_detected" in told:
-            e = told["fault_detected"]
-            self.store.record_event("fault_detected", f"generation {e['generation']}: {e['detected_by']} rank(s) saw "
-                                    f"the fault at step {e['step']}: {e['what']}", job=job.id)
-        if "pg_rebuilt" in told:
-            e = told["pg_rebuilt"]
-            self.store.record_event("pg_rebuilt", f"generation {g}: process groups built in {e['seconds']:.3f} s, "
-                                    f"every rank arrived {e['all_arrived_after_fault_s']:.3f} s after the fault",
-                                    job=job.id)
-        self.store.record_event("state_restored", f"generation {g} restored from {summary['source']} "
-                                f"at step {summary['step']}: {summary['bytes']} bytes moved in "
-                                f"{summary['seconds']:.3f} s" + (f" ({summary['reason']})" if summary.get("reason")
-                                                                  else ""), job=job.id)
-        if "resumed" in told:
-            e = told["resumed"]
-            self.store.record_event("resumed", f"generation {g}: training resumed at step {e['step']} on "
-                                    f"{e['world_size']} ranks, {e['steps_lost']} committed step(s) redone",
-                                    job=job.id)
 
     def _faults(self, job: Job, gen: Generation, rows: list[WorkerRecord]) -> list[dict]:
         found = []
@@ -647,7 +505,7 @@ class JobScheduler:
         prev = self.records.generation(job.id, g - 1) if g > 1 else None
         if prev is not None and prev.outcome == "stranded":
             what += "; checkpointless: every process regroups in place"
-        elif prev is not None and self._in_place(job, prev):
+        elif prev is not None and self.inplace.in_place(job, prev):
             what += "; checkpointless: survivors regroup in place, replacements restore from peers' memory"
         elif g > 1:
             what += "; resuming from the newest checkpoint" if job.kind == "train" else "; restarting the command"
@@ -663,7 +521,7 @@ class JobScheduler:
         per = job.workers_per_node
         try:
             used = {}
-            for name in self._standby_nodes(job, gen):
+            for name in self.inplace.standby_nodes(job, gen):
                 node = self.store.node(name)
                 ready = ((node.report or {}).get("standbys") or {}) if node is not None else {}
                 for local in range(per):
@@ -677,8 +535,7 @@ class JobScheduler:
                     used[str(rank)] = standby
             if used:
                 self.records.update_generation(job.id, gen.generation, standbys=used)
-            if job.recovery == seam.CHECKPOINTLESS:
-                seam.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, per)
+            self.inplace.publish(job, gen)
         except RuntimeError as err:  # the store is the controller's own: this is a bug or a dying controller
             log.error("job %s generation %d: could not publish to the rendezvous store (%s)", job.id,
                       gen.generation, err)
@@ -687,10 +544,7 @@ class JobScheduler:
         """A restarted controller's store is empty: publish the current generation of every active
         checkpointless job again (its workers watch for it)."""
         with self.lock:
-            for job in self.records.jobs(ACTIVE):
-                gen = self.records.generation(job.id, job.generation)
-                if gen is not None and job.recovery == seam.CHECKPOINTLESS and self.rendezvous is not None:
-                    seam.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, job.workers_per_node)
+            self.inplace.republish()
 
     def _placement(self, job: Job, gen: Generation, node: str, rank: int, local: int) -> seam.WorkerPlacement:
         return seam.WorkerPlacement(

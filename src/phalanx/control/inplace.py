@@ -1,0 +1,207 @@
+"""The controller's side of checkpointless recovery: generations that end without stopping their survivors.
+
+`JobScheduler` asks this policy, for a `--recovery checkpointless` job:
+
+  recoverable   is a fault one the survivors recover from in their own processes (a node's fault, a process
+                killed by a signal, a collective broken with nobody dead) rather than the application's?
+  recover       end the generation at once (outcome node-fault | process-fault | stranded), survivors kept
+  survivor_slots / standby_nodes
+                which slots of the next generation a carried survivor serves, and which nodes' ranks a warm
+                standby may take
+  stranded      ranks left the generation (`seam.left_key`) and no real fault followed within a heartbeat
+                timeout: a network error; a fault of its own, so nobody waits out a timeout
+  finished      rank 0 reported the last step done everywhere (`seam.finished_key`): exits after that,
+                or workers whose node stopped relaying, end the job as succeeded
+  note_restored the new rank 0's report of how it restored (`seam.recovered_key`) becomes the generation's
+                `restored` and the controller's events
+  republish     a restarted controller's store is empty: publish every active job's generation again
+
+It decides from SQLite and the rendezvous store only, like the scheduler; it keeps in memory only when it
+first saw ranks leave a generation. Knows nothing about models or training state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from phalanx.control import seam
+from phalanx.control.jobstate import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
+from phalanx.control.store import NodeState, Store
+
+log = logging.getLogger("phalanx.scheduler")
+J, S = JobState, NodeState
+NODE_FAULTS = ("node", "hang")
+IN_PLACE_OUTCOMES = ("node-fault", "process-fault", "stranded")
+
+
+class InPlaceRecovery:
+    def __init__(self, store: Store, records: JobRecords, spec, rendezvous=None):
+        self.store, self.records, self.spec = store, records, spec
+        self.rendezvous = rendezvous  # the controller's TCPStore
+        self._left_seen: dict[tuple[str, int], float] = {}  # (job, generation) → when ranks were seen leaving it
+
+    # ---- who serves the next generation ----------------------------------------------------------------
+    def in_place(self, job: Job, gen: Generation) -> bool:
+        """The generation ended by a fault its survivors recover from in their own processes."""
+        return job.recovery == seam.CHECKPOINTLESS and gen.outcome in IN_PLACE_OUTCOMES
+
+    def _previous_in_place(self, job: Job, gen: Generation) -> Generation | None:
+        prev = self.records.generation(job.id, gen.generation - 1) if gen.generation > 1 else None
+        return prev if prev is not None and self.in_place(job, prev) else None
+
+    def survivor_slots(self, job: Job, gen: Generation) -> set[tuple[str, int]]:
+        """The (node, local rank) slots of `gen` a surviving process of the previous generation must serve —
+        every slot of a node kept from it, except the slots whose process was a fault there. The agent
+        reports such a survivor that died before it could be carried as a fault of `gen` (its peers are
+        already regrouping with it), never silently starting a fresh process in its place."""
+        prev = self._previous_in_place(job, gen)
+        if prev is None:
+            return set()
+        per = job.workers_per_node
+        faulted = {(f["node"], f["rank"] % per) for f in prev.faults if f.get("rank") is not None}
+        return {(n, i) for n in gen.nodes if n in prev.nodes for i in range(per)} - faulted
+
+    def standby_nodes(self, job: Job, gen: Generation) -> list[str]:
+        """Nodes of `gen` whose ranks a warm standby may take: every node of a training job's generation,
+        except those whose workers survive into it."""
+        if job.kind != "train":
+            return []
+        prev = self._previous_in_place(job, gen)
+        return list(gen.nodes) if prev is None else [n for n in gen.nodes if n not in prev.nodes]
+
+    # ---- faults ------------------------------------------------------------------------------------------
+    @staticmethod
+    def recoverable(fault: dict) -> bool:
+        """A node's fault, a process killed by a signal, or a broken collective: the peers' state is intact.
+        A worker that exited with an error code (a bug, a bad batch) or a stall is the application's."""
+        killed = fault["kind"] == "exit" and (fault.get("code") or 0) < 0
+        return fault["kind"] in (*NODE_FAULTS, "stranded") or killed
+
+    def stranded(self, job: Job, gen: Generation, now: float) -> list[dict]:
+        """Ranks left the generation after a failed collective, yet no worker exited and every node is healthy
+        past the time a real fault takes to show (a heartbeat timeout): a network error broke the collective.
+        Without a new generation the survivors would wait out their recovery timeout, so this is a fault of
+        its own, recovered in place with every process."""
+        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
+            return []
+        try:
+            left = self.rendezvous.add(seam.left_key(job.id, gen.generation), 0)
+        except RuntimeError:
+            return []
+        key = (job.id, gen.generation)
+        if not left:
+            self._left_seen.pop(key, None)
+            return []
+        first = self._left_seen.setdefault(key, now)
+        grace = self.spec.health.heartbeat_timeout_s + 2 * self.spec.health.heartbeat_interval_s
+        if now - first < grace:
+            return []
+        del self._left_seen[key]
+        return [{"kind": "stranded", "node": None, "rank": None, "time": first,
+                 "detail": f"{left} rank(s) left generation {gen.generation} after a failed collective and no "
+                           f"worker or node fault followed within {grace:g} s (a network error?)"}]
+
+    def recover(self, job: Job, gen: Generation, faults: list[dict]) -> None:
+        """End the generation now without stopping its survivors; the failed ranks' nodes are replaced (or,
+        for a killed process on a healthy node, the node keeps its place) and the scheduler's `advance`
+        starts the next generation, which the survivors join from their own processes."""
+        now = time.time()
+        node_fault = any(f["kind"] in NODE_FAULTS for f in faults)
+        first = faults[0]["detail"]
+        bad = sorted({f["node"] for f in faults if f["kind"] in NODE_FAULTS})
+        stranded = all(f["kind"] == "stranded" for f in faults)
+        outcome = "node-fault" if node_fault else "stranded" if stranded else "process-fault"
+        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, end_reason=first,
+                                       outcome=outcome)
+        if node_fault:
+            self.records.update_job(job.id, node_faults=job.node_faults + 1)
+        if stranded:
+            what = (f"{first}; next: every process regroups in generation {gen.generation + 1} on the same nodes "
+                    f"and continues from the newest step all of them hold")
+        else:
+            what = (f"{first}; next: survivors keep running and wait for generation {gen.generation + 1}"
+                    + (f" with {', '.join(bad)} replaced" if bad else " (a new process in the failed one's place)")
+                    + ", where the replacement restores its state from peers' memory")
+        self.records.transition(job.id, J.RECOVERING, what)
+        self.store.record_event("recovery", what, job=job.id)
+        log.warning("job %s generation %d (checkpointless): %s", job.id, gen.generation, what)
+
+    # ---- what the workers report -------------------------------------------------------------------------
+    def finished(self, job: Job, gen: Generation, rows: list[WorkerRecord], now: float) -> bool:
+        """Once rank 0 has said training finished (every rank past the last step and the final checkpoint), a
+        rank that dies on its way out loses nothing: wait for all to exit, then succeed. True once handled."""
+        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
+            return False
+        try:
+            if not self.rendezvous.check([seam.finished_key(job.id)]):
+                return False
+            finished = json.loads(self.rendezvous.get(seam.finished_key(job.id)))
+        except (RuntimeError, ValueError):
+            return False
+        # a worker on a node that is no longer healthy may never be reported again (its agent froze, or was
+        # terminated before it could report the exit): training finished, so it is not waited for
+        nodes = {n: self.store.node(n) for n in gen.nodes}
+        unhealthy = {n: node.state.value if node else "gone" for n, node in nodes.items()
+                     if node is None or node.state != S.HEALTHY}
+        if any(w.state != "exited" and w.node not in unhealthy for w in rows):
+            return True  # the others are on their way out
+        bad = [f"rank {w.rank} {w.detail}" if w.state == "exited" else
+               f"rank {w.rank} not seen exiting: its node {w.node} is {unhealthy[w.node]}"
+               for w in rows if w.state != "exited" or w.exit_code != 0]
+        done = "training finished" + (f" (then {'; '.join(bad)} on the way out)" if bad else "")
+        step = finished["step"]  # rank 0's word: a rank whose agent stopped relaying may show an older step
+        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome="succeeded",
+                                       end_reason=done, last_step=step)
+        self.records.update_job(job.id, last_step=step)
+        self.records.transition(job.id, J.SUCCEEDED, f"{done} (last step {step})")
+        log.info("job %s succeeded: %s after %d attempts", job.id, done, job.attempts)
+        return True
+
+    def note_restored(self, job: Job, gen: Generation) -> None:
+        """Once the generation's rank 0 reports how it restored its state, record it (and its recovery's
+        events) once."""
+        if job.recovery != seam.CHECKPOINTLESS or gen.restored is not None or self.rendezvous is None:
+            return
+        key = seam.recovered_key(job.id, gen.generation)
+        try:
+            if not self.rendezvous.check([key]):
+                return
+            summary = json.loads(self.rendezvous.get(key))
+        except (RuntimeError, ValueError):
+            return
+        told = {e["event"]: e for e in summary.pop("events", [])}
+        self.records.update_generation(job.id, gen.generation, restored=summary)
+        g = gen.generation
+        if "fault_detected" in told:
+            e = told["fault_detected"]
+            self.store.record_event("fault_detected", f"generation {e['generation']}: {e['detected_by']} rank(s) saw "
+                                    f"the fault at step {e['step']}: {e['what']}", job=job.id)
+        if "pg_rebuilt" in told:
+            e = told["pg_rebuilt"]
+            self.store.record_event("pg_rebuilt", f"generation {g}: process groups built in {e['seconds']:.3f} s, "
+                                    f"every rank arrived {e['all_arrived_after_fault_s']:.3f} s after the fault",
+                                    job=job.id)
+        self.store.record_event("state_restored", f"generation {g} restored from {summary['source']} "
+                                f"at step {summary['step']}: {summary['bytes']} bytes moved in "
+                                f"{summary['seconds']:.3f} s" + (f" ({summary['reason']})" if summary.get("reason")
+                                                                  else ""), job=job.id)
+        if "resumed" in told:
+            e = told["resumed"]
+            self.store.record_event("resumed", f"generation {g}: training resumed at step {e['step']} on "
+                                    f"{e['world_size']} ranks, {e['steps_lost']} committed step(s) redone",
+                                    job=job.id)
+
+    # ---- the store ---------------------------------------------------------------------------------------
+    def publish(self, job: Job, gen: Generation) -> None:
+        """The generation's layout and number, which checkpointless workers watch."""
+        if job.recovery == seam.CHECKPOINTLESS and self.rendezvous is not None:
+            seam.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, job.workers_per_node)
+
+    def republish(self) -> None:
+        """A restarted controller's store is empty: publish the current generation of every active job again."""
+        for job in self.records.jobs(ACTIVE):
+            gen = self.records.generation(job.id, job.generation)
+            if gen is not None:
+                self.publish(job, gen)
