@@ -384,37 +384,13 @@ class JobScheduler:
         if node_faults:
             root = next((f for f in node_faults if f["kind"] == "hang"), node_faults[0])
             bad = sorted({f["node"] for f in node_faults})
-            self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="node-fault",
-                                           end_reason=root["detail"])
             self.records.update_job(job.id, node_faults=job.node_faults + 1)
-            if job.auto_resume:
-                resume = "from the newest checkpoint" if job.kind == "train" else "(the command is run again)"
-                why = f"{root['detail']}; next: restart on healthy nodes (replacing {', '.join(bad)}) {resume}"
-                self.records.update_job(job.id, reason=why)
-                self.store.record_event("recovery", why, job=job.id)
-                log.warning("job %s generation %d ended by a node fault: %s", job.id, gen.generation, why)
-            else:
-                why = (f"{root['detail']}; auto-resume is off, so the job is not restarted (submit with "
-                       f"--auto-resume to restart it on a replacement node from its newest checkpoint)")
-                self.records.transition(job.id, J.FAILED, why)
-                log.error("job %s failed: %s", job.id, why)
-            return
+            return self._resume_or_fail(job, gen, now, "node-fault", root["detail"],
+                                        f"on healthy nodes (replacing {', '.join(bad)})", "on a replacement node")
         gpu = [f for f in gen.faults if f["kind"] == "restart-job"]
         if gpu:  # the node is sound, the job's processes on it are not: restart on the same nodes, not a retry
-            self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="restart-job",
-                                           end_reason=gpu[0]["detail"])
-            if job.auto_resume:
-                resume = "from the newest checkpoint" if job.kind == "train" else "(the command is run again)"
-                why = f"{gpu[0]['detail']}; next: restart on the same nodes {resume}"
-                self.records.update_job(job.id, reason=why)
-                self.store.record_event("recovery", why, job=job.id)
-                log.warning("job %s generation %d: %s", job.id, gen.generation, why)
-            else:
-                why = (f"{gpu[0]['detail']}; auto-resume is off, so the job is not restarted (submit with "
-                       f"--auto-resume to restart it on the same nodes)")
-                self.records.transition(job.id, J.FAILED, why)
-                log.error("job %s failed: %s", job.id, why)
-            return
+            return self._resume_or_fail(job, gen, now, "restart-job", gpu[0]["detail"], "on the same nodes",
+                                        "on the same nodes")
         exits = sorted((f for f in gen.faults if f["kind"] in ("exit", "stall")), key=lambda f: f["time"] or 0)
         root = exits[0]["detail"] if exits else gen.end_reason or "generation stopped"
         self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="app-error", end_reason=root)
@@ -427,6 +403,23 @@ class JobScheduler:
         else:
             why = (f"{root} (application error: every node healthy); {job.retries} retries used "
                    f"(max_retries={job.max_retries}), so the job is not restarted")
+            self.records.transition(job.id, J.FAILED, why)
+            log.error("job %s failed: %s", job.id, why)
+
+    def _resume_or_fail(self, job: Job, gen: Generation, now: float, outcome: str, detail: str, where: str,
+                        hint: str) -> None:
+        """A fault that is not the application's: with auto-resume the job restarts `where` (`advance` starts
+        the next generation), without it the job fails and says how to get the restart."""
+        self.records.update_generation(job.id, gen.generation, ended_at=now, outcome=outcome, end_reason=detail)
+        if job.auto_resume:
+            resume = "from the newest checkpoint" if job.kind == "train" else "(the command is run again)"
+            why = f"{detail}; next: restart {where} {resume}"
+            self.records.update_job(job.id, reason=why)
+            self.store.record_event("recovery", why, job=job.id)
+            log.warning("job %s generation %d ended (%s): %s", job.id, gen.generation, outcome, why)
+        else:
+            why = (f"{detail}; auto-resume is off, so the job is not restarted (submit with --auto-resume to "
+                   f"restart it {hint} from its newest checkpoint)")
             self.records.transition(job.id, J.FAILED, why)
             log.error("job %s failed: %s", job.id, why)
 

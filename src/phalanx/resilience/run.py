@@ -353,16 +353,16 @@ class CheckpointlessRun:
         source = ("checkpoint" if plan.kind == "disk" else "buddy-snapshot" if plan.from_snapshot
                   else "peer-memory")
         event("fault_detected", at=first["at"], generation=first["generation"], step=first["step"],
-                what=first["what"], detected_by=len(faults))
+              what=first["what"], detected_by=len(faults))
         t0 = first["at"]
         phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
         event("generation", generation=self.generation, world_size=len(infos), survivors=len(faults),
-                replacements=fresh, rejoin_started_at=min((i["process_started_at"] for i in infos
-                                                          if i["fault"] is None), default=None),
-                phases_since_fault_s=phases)
+              replacements=fresh, rejoin_started_at=min((i["process_started_at"] for i in infos
+                                                        if i["fault"] is None), default=None),
+              phases_since_fault_s=phases)
         event("pg_rebuilt", generation=self.generation,
-                seconds=round(max(i["marks"]["pg"] - i["marks"]["arrived"] for i in infos), 4),
-                all_arrived_after_fault_s=round(max(i["marks"]["arrived"] for i in infos) - t0, 4))
+              seconds=round(max(i["marks"]["pg"] - i["marks"]["arrived"] for i in infos), 4),
+              all_arrived_after_fault_s=round(max(i["marks"]["arrived"] for i in infos) - t0, 4))
         summary = {"source": source, "step": trainer.progress.step, "bytes": moved,
                    "seconds": round(now - start, 4), "transfers": len(plan.transfers),
                    "reason": plan.reason or None}
@@ -370,7 +370,7 @@ class CheckpointlessRun:
         if plan.kind == "memory":
             steps_lost = (lost_from - trainer.progress.step) if lost_from is not None else None
             event("resumed", step=trainer.progress.step, samples_consumed=trainer.progress.samples_consumed,
-                    world_size=len(infos), recovery="checkpointless", steps_lost=steps_lost)
+                  world_size=len(infos), recovery="checkpointless", steps_lost=steps_lost)
         try:
             self.membership.report_recovered(self.generation, {**summary, "generation": self.generation,
                                                                "fault": first["what"], "events": told})
