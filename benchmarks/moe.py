@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import REPO_ROOT, RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
+from phalanx.process import exit_without_teardown  # noqa: E402
 
 RECIPE = REPO_ROOT / "recipes" / "tiny-mixtral.yaml"
 EP_DEGREES = (1, 2, 4)
@@ -298,7 +299,8 @@ def main() -> None:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker_main(args.worker)
+        worker_main(args.worker)
+        exit_without_teardown(0)  # teardown can abort in a gloo destructor (phalanx.process)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup} + 1")
     if args.nproc % max(EP_DEGREES):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
+from phalanx.process import exit_without_teardown  # noqa: E402
 
 GIB = 2**30
 
@@ -195,7 +195,8 @@ def main() -> None:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.preset, args.seed, args.worker)
+        worker(args.preset, args.seed, args.worker)
+        exit_without_teardown(0)  # teardown can abort in a gloo destructor (phalanx.process)
 
     free = mem_available_bytes() / GIB
     if free < args.min_free_gib:

@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import REPO_ROOT, RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
+from phalanx.process import exit_without_teardown  # noqa: E402
 
 RECIPE = REPO_ROOT / "recipes" / "tiny-llama.yaml"
 TARGET_RATIO, TARGET_LOADER_TOK_S = 0.98, 50e6
@@ -370,7 +371,8 @@ def main() -> None:
     parser.add_argument("--fsdp2-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fsdp2_worker:
-        return fsdp2_worker(json.loads(args.fsdp2_worker.read_text()))
+        fsdp2_worker(json.loads(args.fsdp2_worker.read_text()))
+        exit_without_teardown(0)  # teardown can abort in a gloo destructor (phalanx.process)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup} + 1")
 

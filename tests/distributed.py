@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from phalanx.process import exit_without_teardown
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,6 +32,7 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple)
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    exit_without_teardown(0)  # as Phalanx's workers do: teardown can abort in a gloo destructor
 
 
 def run_distributed(fn, world_size: int, tmp_path: Path, *args) -> list:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -74,4 +73,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from phalanx.process import exit_without_teardown
+
+    exit_without_teardown(main())  # the result is written: a gloo destructor must not turn it into a crash

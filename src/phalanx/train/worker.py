@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.control import seam
+from phalanx.process import exit_without_teardown
 from phalanx.train.config import ConfigError, config_from_dict
 
 log = logging.getLogger("phalanx.worker")
@@ -175,18 +176,6 @@ def main() -> int:
         return 2
 
 
-def exit_now(code: int) -> None:
-    """Leave without interpreter teardown, once everything is saved, flushed and released. Teardown can
-    destroy C++ objects of torch.distributed (gloo work threads, a process group kept alive by a module that
-    held it, groups of earlier generations) whose destructors abort the process ("terminate called without
-    an active exception"): a finished run would exit with SIGABRT, and a Python error — which the controller
-    must see as an application error — would look like a killed process."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     try:
         code = main()
@@ -197,4 +186,4 @@ if __name__ == "__main__":
 
         traceback.print_exc()
         code = 1
-    exit_now(code)
+    exit_without_teardown(code)  # see phalanx.process: teardown can abort a finished run
