@@ -94,10 +94,14 @@ def write_results(path: Path, payload: dict) -> Path:
         "torch_version": torch.__version__,
         **payload,
     }
+    _write_json(path, record)
+    return path
+
+
+def _write_json(path: Path, record: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
-    return path
 
 
 def summary_of(path: Path, prefix: str) -> dict:
@@ -120,6 +124,4 @@ def merge_summary(path: Path, keys: dict) -> None:
         return
     record = json.loads(path.read_text())
     record.setdefault("summary", {}).update(keys)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    _write_json(path, record)

@@ -43,12 +43,17 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[2]), int(fields[3])
 
 
-def cmdline(pid: int) -> str:
+def argv(pid: int) -> list[str]:
+    """The process's arguments ([] when it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
+            return f.read().decode(errors="replace").split("\0")[:-1]
     except (FileNotFoundError, ProcessLookupError):
-        return ""
+        return []
+
+
+def cmdline(pid: int) -> str:
+    return " ".join(argv(pid))
 
 
 def process_running(pid: int | None, marker: str) -> bool:
@@ -67,14 +72,8 @@ def processes_mentioning(path: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             stat = _proc_stat(int(entry))
-            if stat is None or stat[0] == "Z":
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    args = f.read().decode(errors="replace").split("\0")
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if any(a == path or a.endswith("=" + path) or path + "/" in a for a in args):
+            if stat is not None and stat[0] != "Z" and any(
+                    a == path or a.endswith("=" + path) or path + "/" in a for a in argv(int(entry))):
                 found.append(int(entry))
     return found
 

@@ -48,7 +48,9 @@ class InPlaceRecovery:
         return job.recovery == seam.CHECKPOINTLESS and gen.outcome in IN_PLACE_OUTCOMES
 
     def _previous_in_place(self, job: Job, gen: Generation) -> Generation | None:
-        prev = self.records.generation(job.id, gen.generation - 1) if gen.generation > 1 else None
+        if job.recovery != seam.CHECKPOINTLESS or gen.generation == 1:  # (asked on every heartbeat)
+            return None
+        prev = self.records.generation(job.id, gen.generation - 1)
         return prev if prev is not None and self.in_place(job, prev) else None
 
     def survivor_slots(self, job: Job, gen: Generation) -> set[tuple[str, int]]:

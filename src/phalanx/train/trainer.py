@@ -211,9 +211,9 @@ class Trainer:
                                seconds=round(time.perf_counter() - start, 3), dir=str(self.config.checkpoint_dir))
 
     def _checkpoint_committed(self, step: int, seconds: float) -> None:
+        extra = {"async": True} if self.config.checkpoint.async_save else {}
         self.metrics.event("checkpoint_saved", step=step, seconds=round(seconds, 3),
-                           dir=str(self.config.checkpoint_dir), **({"async": True} if self.config.checkpoint.async_save
-                                                                    else {}))
+                           dir=str(self.config.checkpoint_dir), **extra)
 
     def maybe_resume(self) -> bool:
         if not self.config.checkpoint.resume:
