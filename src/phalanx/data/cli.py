@@ -1,8 +1,9 @@
 """``phalanx data ...`` commands: a thin typer front end over `phalanx.data.prepare`.
 
 Role: parse options, call the Python API, print a short summary. A `DataError` is printed as one
-red line and exits with code 2, without a traceback. The top-level CLI mounts this app with
-``app.add_typer(data_app, name="data")``.
+red line and exits with code 2, without a traceback. A failed run removes what it created (the `--out`
+directory if it made it, or the demo corpus it wrote into an existing one), nothing else. The top-level
+CLI mounts this app with ``app.add_typer(data_app, name="data")``.
 
 Must not know about: how preparation works, models, or training.
 """
@@ -19,7 +20,7 @@ from rich.table import Table
 
 from phalanx.data.corpus import DEMO_CORPUS_FILENAME, write_demo_corpus
 from phalanx.data.errors import DataError
-from phalanx.data.prepare import PreparedData, prepare
+from phalanx.data.prepare import PreparedData, missing_directories, prepare, remove_created
 
 DATA_ERROR_EXIT_CODE = 2
 
@@ -53,7 +54,11 @@ def prepare_command(
 ) -> None:
     """Tokenize INPUT files into fixed-size blocks for training."""
     console = Console()
+    demo_corpus = out / DEMO_CORPUS_FILENAME
+    new_demo_corpus = demo and not demo_corpus.exists()
+    created = None
     try:
+        created = missing_directories(out)  # on failure, remove only what this run created
         if demo and inputs:
             raise DataError("pass either input files or --demo, not both")
         if demo:
@@ -72,7 +77,12 @@ def prepare_command(
             eos_token=eos_token,
             progress=progress,
         )
-    except DataError as e:
+    except BaseException as e:
+        remove_created(created)
+        if created is None and new_demo_corpus and demo_corpus.is_file():
+            demo_corpus.unlink()
+        if not isinstance(e, DataError):
+            raise
         Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(DATA_ERROR_EXIT_CODE) from None
     console.print(_summary_table(result))

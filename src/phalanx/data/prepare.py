@@ -77,6 +77,27 @@ def is_validation_document(doc_index: int, seed: int, val_percent: float) -> boo
     return int.from_bytes(digest, "little") < val_percent / 100.0 * 2**64
 
 
+def missing_directories(path: Path) -> Path | None:
+    """The topmost directory that ``path.mkdir(parents=True)`` would create (None if `path` exists): what to
+    remove, and only that, when a run that created it fails. Raises DataError when a file is in the way."""
+    path = Path(path)
+    created = None
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                where = "is an existing file" if candidate == path else f"is inside {candidate}, an existing file"
+                raise DataError(f"--out {path} {where}; choose a directory for the prepared data")
+            return created
+        created = candidate
+    return created
+
+
+def remove_created(created: Path | None) -> None:
+    """Undo `missing_directories`' directories after a failure (nothing when the output existed before)."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+
+
 def prepare(
     inputs: list[Path],
     out_dir: Path,
@@ -93,8 +114,32 @@ def prepare(
     """Tokenize `inputs` into ``out_dir/{train,val}.{bin,json}`` plus ``out_dir/tokenizer.json``.
 
     `vocab_size` is the target size when training a BPE (ignored when `tokenizer` is given); the
-    metadata records the tokenizer's actual size. `eos_token` overrides the EOS lookup.
+    metadata records the tokenizer's actual size. `eos_token` overrides the EOS lookup. On failure the
+    directories this call created are removed again; an existing `out_dir` keeps its earlier files.
     """
+    created = missing_directories(Path(out_dir))
+    try:
+        return _prepare(inputs, out_dir, tokenizer=tokenizer, block_size=block_size, text_field=text_field,
+                        val_percent=val_percent, vocab_size=vocab_size, seed=seed, eos_token=eos_token,
+                        progress=progress)
+    except BaseException:
+        remove_created(created)
+        raise
+
+
+def _prepare(
+    inputs: list[Path],
+    out_dir: Path,
+    *,
+    tokenizer: Path | None,
+    block_size: int,
+    text_field: str,
+    val_percent: float,
+    vocab_size: int,
+    seed: int,
+    eos_token: str | None,
+    progress: bool,
+) -> PreparedData:
     inputs = [Path(p) for p in inputs]
     out_dir = Path(out_dir)
     _check_options(inputs, block_size, val_percent)

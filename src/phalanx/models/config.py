@@ -7,7 +7,11 @@ Knows nothing about parallelism, data or training.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+
+# Fields a run may change when it resumes from a checkpoint of the same model: they do not change what the
+# weights mean (the context length the model accepts, the init used before any step, MoE loss/capacity knobs).
+RESUMABLE_CHANGES = frozenset({"max_seq_len", "init_std", "router_aux_loss_coef", "capacity_factor"})
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,19 @@ class ModelConfig:
 
     def with_overrides(self, **changes) -> "ModelConfig":
         return replace(self, **changes)
+
+    def differences(self, recorded: dict) -> dict[str, tuple]:
+        """Fields whose value in `recorded` (another config's `to_dict()`, e.g. a checkpoint's) differs from
+        ours and would change what the weights mean: {field: (recorded value, ours)}. Fields in
+        `RESUMABLE_CHANGES` and fields `recorded` lacks (an older Phalanx) are not compared."""
+        out = {}
+        for f in fields(self):
+            if f.name in RESUMABLE_CHANGES or f.name not in recorded:
+                continue
+            ours, theirs = getattr(self, f.name), recorded[f.name]
+            if theirs != ours:
+                out[f.name] = (theirs, ours)
+        return out
 
 
 PRESETS: dict[str, ModelConfig] = {

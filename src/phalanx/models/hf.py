@@ -202,6 +202,31 @@ class _Source:
 # ---- reading --------------------------------------------------------------------------------------------
 
 
+def read_hf_config_json(path: str | os.PathLike) -> dict:
+    """The parsed `config.json` of the HF model directory `path`. Raises `HFFormatError` saying what is wrong
+    (no such directory, a file, no config.json, not valid JSON, not a JSON object)."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "it is a file" if path.exists() else "it does not exist"
+        raise HFFormatError(f"HF checkpoint path {str(path)!r} is not a directory ({what}); point it at a local "
+                            "Hugging Face model directory (config.json + *.safetensors)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HFFormatError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFFormatError(f"{config_file} is not valid JSON ({err}); restore the model's config.json") from None
+    if not isinstance(hf_config, dict):
+        raise HFFormatError(f"{config_file} must hold a JSON object, found {type(hf_config).__name__}")
+    return hf_config
+
+
+def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """`ModelConfig` of the HF model directory `path` from its config.json alone (no weights are opened)."""
+    return config_from_hf(read_hf_config_json(path))
+
+
 class HFCheckpoint:
     """A local HF model directory, read lazily. Opening it checks names and shapes against config.json.
 
@@ -213,12 +238,7 @@ class HFCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_dir():
-            raise HFFormatError(f"HF checkpoint path {str(self.path)!r} is not a directory")
-        config_file = self.path / "config.json"
-        if not config_file.is_file():
-            raise HFFormatError(f"{str(self.path)!r} has no config.json; is it a Hugging Face model directory?")
-        self.hf_config = json.loads(config_file.read_text())
+        self.hf_config = read_hf_config_json(self.path)
         self.config = config_from_hf(self.hf_config)
         self._handles: dict[str, object] = {}
         self._key_file = self._find_tensor_files()
@@ -228,7 +248,10 @@ class HFCheckpoint:
     def _find_tensor_files(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+                raise HFFormatError(f"{index} is not a valid checkpoint index ({err})") from None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise HFFormatError(f"{index} has no 'weight_map'; the sharded checkpoint index is corrupt")
             for file in sorted(set(weight_map.values())):
@@ -245,7 +268,10 @@ class HFCheckpoint:
 
     def _open(self, file: str):
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types (header, I/O)
+                raise HFFormatError(f"{self.path / file} is not a readable safetensors file ({err})") from None
         return self._handles[file]
 
     def _slice(self, hf_key: str):

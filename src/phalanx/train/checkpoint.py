@@ -2,10 +2,13 @@
 
 Each rank writes its shards with torch.distributed.checkpoint (DCP) into `step-NNNNNNNN.tmp/`; once every
 rank is done, rank 0 writes a manifest (file sizes and CRC32s) and renames the directory to
-`step-NNNNNNNN/` — a rename is atomic, so a checkpoint is either complete or invisible. On start the newest
-committed checkpoint whose files match its manifest is loaded; a partial or corrupted one is skipped with a
-warning. DCP reshards on load, so a checkpoint from 4 ranks resumes on 2. Knows nothing about the model's
-architecture or the data.
+`step-NNNNNNNN/` — a rename is atomic, so a checkpoint is either complete or invisible. The manifest also
+carries the caller's `metadata` (the trainer records the model config there, so a resume can refuse a
+different model). On start the newest committed checkpoint whose files match its manifest is loaded; a
+partial one is skipped, a corrupted one is skipped and moved aside to `step-NNNNNNNN.corrupt` (with a
+warning), so it is never loaded and never counted. Retention (`keep`) counts only checkpoints that verify and
+never deletes the one just committed. DCP reshards on load, so a checkpoint from 4 ranks resumes on 2. Knows
+nothing about the model's architecture or the data.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def write_manifest(directory: Path, step: int, with_checksums: bool) -> None:
+def write_manifest(directory: Path, step: int, with_checksums: bool, metadata: dict | None = None) -> None:
     files = {}
     for path in sorted(directory.rglob("*")):
         if path.is_file() and path.name != MANIFEST:
@@ -53,7 +56,19 @@ def write_manifest(directory: Path, step: int, with_checksums: bool) -> None:
                 entry["crc32"] = _crc32(path)
             files[str(path.relative_to(directory))] = entry
     manifest = {"format": "phalanx-dcp-v1", "step": step, "files": files}
+    if metadata:
+        manifest["metadata"] = metadata
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def read_metadata(directory: Path) -> dict:
+    """The `metadata` recorded in a committed checkpoint's manifest ({} for checkpoints that recorded none)."""
+    try:
+        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def verify(directory: Path, with_checksums: bool) -> str | None:
@@ -85,6 +100,24 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def move_aside(root: Path, step: int, problem: str) -> Path | None:
+    """Rename the unusable committed checkpoint `step` to `step-NNNNNNNN.corrupt` (`.corrupt-2`, ... if taken):
+    out of every listing, never loaded, never counted, kept for inspection. Returns the new path."""
+    source = step_dir(root, step)
+    target = source.with_name(source.name + ".corrupt")
+    n = 1
+    while target.exists():
+        n += 1
+        target = source.with_name(f"{source.name}.corrupt-{n}")
+    try:
+        os.replace(source, target)
+    except OSError as err:
+        log.warning("checkpoint %s is unusable (%s) and could not be moved aside (%s)", source, problem, err)
+        return None
+    log.warning("checkpoint %s is unusable (%s); moved it aside to %s", source, problem, target)
+    return target
+
+
 @dataclass
 class _Pending:
     step: int
@@ -96,14 +129,18 @@ class CheckpointManager:
     """Save / commit / prune / find-latest. Collective: every rank calls save() and load()."""
 
     def __init__(self, root: Path, *, keep: int, async_save: bool, verify_checksums: bool,
-                 on_commit: Callable[[int, float], None] | None = None):
+                 on_commit: Callable[[int, float], None] | None = None, metadata: dict | None = None):
         self.root = Path(root)
+        self.metadata = metadata  # recorded in every manifest this manager writes
         self.on_commit = on_commit  # (step, seconds from save() to the commit), on every rank
         self.keep = keep
         self.async_save = async_save
         self.verify_checksums = verify_checksums
         self.rank = dist.get_rank()
         self._pending: _Pending | None = None
+        # Rank 0: steps known to verify (committed by this manager, or checked once): retention counts them
+        # without reading their files again.
+        self._verified: set[int] = set()
         # Async saves run collectives from a background thread: give them their own group.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
         if self.rank == 0:
@@ -138,20 +175,38 @@ class CheckpointManager:
         # every rank see the commit before it moves on.
         if self.rank == 0:
             tmp = self.root / f"step-{pending.step:08d}.tmp"
-            write_manifest(tmp, pending.step, self.verify_checksums)
+            write_manifest(tmp, pending.step, self.verify_checksums, self.metadata)
             final = step_dir(self.root, pending.step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync_dir(self.root)
-            self._prune()
+            self._verified.add(pending.step)
+            self._prune(committed=pending.step)
         dist.barrier(group=self._async_group) if self._async_group is not None else dist.barrier()
         if self.on_commit is not None:
             self.on_commit(pending.step, time.perf_counter() - pending.started)
         return pending.step
 
-    def _prune(self) -> None:
-        for old in committed_steps(self.root)[self.keep :]:
-            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+    def _prune(self, committed: int) -> None:
+        """Keep `keep` checkpoints that verify: the one just `committed` first (the newest, whatever its step
+        number: a higher-numbered one on disk is from an earlier run), then the highest steps. A checkpoint
+        that fails verification is moved aside, not counted; checkpoints past the window are deleted (older
+        ones unread; a higher-numbered one is verified first, so a corrupt one is moved aside, not lost)."""
+        kept = 1
+        for step in committed_steps(self.root):
+            if step == committed:
+                continue
+            if (kept < self.keep or step > committed) and step not in self._verified:
+                problem = verify(step_dir(self.root, step), self.verify_checksums)
+                if problem is not None:
+                    move_aside(self.root, step, problem)
+                    continue
+                self._verified.add(step)
+            if kept < self.keep:
+                kept += 1
+                continue
+            shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
+            self._verified.discard(step)
         # Called between saves (never while one is in flight): any .tmp left is from a crashed save.
         for stale in self.root.glob("step-*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -160,7 +215,8 @@ class CheckpointManager:
     def latest_valid_step(self) -> tuple[int | None, list[tuple[int, str]]]:
         """Rank 0 picks the newest checkpoint that verifies; every rank gets the same answer.
 
-        Returns (step or None, [(skipped step, what is wrong with it), ...]).
+        Returns (step or None, [(skipped step, what is wrong with it), ...]). A committed checkpoint that fails
+        verification is moved aside (`move_aside`), so no later start or retention counts it again.
         """
         choice: list = [(None, [])]
         if self.rank == 0:
@@ -168,11 +224,13 @@ class CheckpointManager:
             for step in committed_steps(self.root):
                 problem = verify(step_dir(self.root, step), self.verify_checksums)
                 if problem is None:
+                    self._verified.add(step)
                     choice[0] = (step, skipped)
                     break
                 log.warning("checkpoint step %d at %s is unusable (%s); falling back to an older one",
                             step, step_dir(self.root, step), problem)
-                skipped.append((step, problem))
+                moved = move_aside(self.root, step, problem)
+                skipped.append((step, problem + (f"; moved aside to {moved.name}" if moved else "")))
             else:
                 choice[0] = (None, skipped)
         dist.broadcast_object_list(choice, src=0)
@@ -180,6 +238,10 @@ class CheckpointManager:
 
     def load(self, step: int, state: dict) -> None:
         dcp.load(state, checkpoint_id=str(step_dir(self.root, step)))
+
+    def metadata_of(self, step: int) -> dict:
+        """The metadata recorded with committed checkpoint `step` ({} if none: written before it was recorded)."""
+        return read_metadata(step_dir(self.root, step))
 
     def close(self) -> None:
         self.wait()

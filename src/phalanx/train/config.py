@@ -1,12 +1,15 @@
 """The training job's configuration: one typed, validated YAML file.
 
 Validated at the edge (the CLI, before any process starts): an error names the field, the value and the
-fix. `load_config(path, overrides)` applies `key.sub=value` overrides from the command line. Knows
-nothing about processes, meshes or models beyond their names.
+fix. `load_config(path, overrides)` reads a YAML recipe (or a JSON config, e.g. a run's resolved
+`config.json`), applies `key.sub=value` overrides from the command line and checks the local paths the run
+needs (`check_local_paths`: `model.hf_path` holds a readable Hugging Face config.json, `run_dir` is not a
+file). Knows nothing about processes or meshes; of models only their names and HF config.json.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -221,20 +224,67 @@ def config_from_dict(tree: dict, source: str = "config") -> TrainConfig:
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
-    tree: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+def read_config_tree(path: str | Path) -> dict:
+    """The raw tree of a config file: JSON when the name ends in .json, YAML otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass a YAML recipe (e.g. recipes/tiny-llama.yaml)")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a YAML recipe (e.g. recipes/tiny-llama.yaml)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} cannot be read: {err}") from None
+    if path.suffix.lower() == ".json":
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON: {err}") from None
+    else:
+        try:
+            tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return tree
+
+
+def _existing_file_on(path: Path) -> Path | None:
+    """`path` or its nearest existing ancestor, when that is not a directory (so no directory can be made)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
+def check_local_paths(config: TrainConfig) -> None:
+    """The paths a run needs on this machine: `run_dir` (and `checkpoint.dir`) can be directories, and
+    `model.hf_path` is a Hugging Face model directory whose config.json Phalanx reads. Raises ConfigError."""
+    dirs = [("run_dir", config.run_dir)]
+    if config.checkpoint.dir is not None:
+        dirs.append(("checkpoint.dir", config.checkpoint.dir))
+    for field, path in dirs:
+        blocker = _existing_file_on(Path(path))
+        if blocker is not None:
+            where = "is an existing file" if blocker == Path(path) else f"is inside {blocker}, an existing file"
+            raise ConfigError(f"{field}={str(path)!r} {where}; {field} must be a directory (the run writes "
+                              f"metrics, its config and checkpoints there): choose another path")
+    if config.model.hf_path is not None:
+        from phalanx.models.hf import HFFormatError, read_hf_config
+
+        try:
+            read_hf_config(config.model.hf_path)
+        except HFFormatError as err:
+            raise ConfigError(f"model.hf_path={str(config.model.hf_path)!r}: {err}") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    tree: dict = {} if path is None else read_config_tree(path)
     tree = _merge(tree, parse_overrides(overrides or []))
-    return config_from_dict(tree, str(path) if path else "config")
+    config = config_from_dict(tree, str(path) if path else "config")
+    check_local_paths(config)
+    return config
 
 
 def dump_config(config: TrainConfig) -> dict:

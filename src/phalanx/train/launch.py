@@ -2,7 +2,9 @@
 
 The config is checked before anything starts (degrees vs world size, batch arithmetic, data files,
 vocabulary), so a bad config starts nothing. Workers get the usual torch variables plus PHALANX_CONFIG.
-If one worker fails, the others are stopped and its exit code is returned.
+If one worker fails, the others are stopped and its exit code is returned. Exit code 2 is a worker refusing
+what it found (e.g. a checkpoint written for another model): every rank refuses alike and rank 0 prints the
+one-line reason, so the launcher lets them exit on their own (`REFUSAL_GRACE_S`) and adds nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx.train.config import ConfigError, TrainConfig, dump_config
+from phalanx.train.config import ConfigError, TrainConfig, check_local_paths, dump_config
+
+BAD_INPUT_EXIT_CODE = 2  # a worker refused its config or checkpoint; it printed why (rank 0)
+REFUSAL_GRACE_S = 15.0  # how long the other workers get to refuse too before they are stopped
 
 
 def free_port() -> int:
@@ -32,6 +37,7 @@ def preflight(config: TrainConfig, nproc: int) -> None:
 
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be >= 1")
+    check_local_paths(config)
     model_config = resolve_model_config(config)
     dims = parallel_dims(config, nproc, model_config)
     config.grad_accum_steps(dims.dp_size)
@@ -58,9 +64,13 @@ def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = 
     """Run the job to completion on `nproc` local processes. Returns the job's exit code."""
     preflight(config, nproc)
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
-    config_path.write_text(json.dumps(dump_config(config), indent=2))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(json.dumps(dump_config(config), indent=2))
+    except OSError as err:
+        raise ConfigError(f"run_dir={str(run_dir)!r}: cannot write {config_path.name} there "
+                          f"({err.strerror or err}); choose a writable directory") from None
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // nproc)
     port = free_port()
     procs = [
@@ -83,12 +93,25 @@ def _watch(procs: list[subprocess.Popen]) -> int:
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
+            if code == BAD_INPUT_EXIT_CODE and _all_exit_by_themselves(procs, REFUSAL_GRACE_S):
+                return code  # every worker refused; rank 0 printed the reason
             print(f"worker rank {rank} exited with code {code}; stopping the other workers", file=sys.stderr)
             _stop(procs)
             return code if code > 0 else 128 - code
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.1)
+
+
+def _all_exit_by_themselves(procs: list[subprocess.Popen], grace_s: float) -> bool:
+    """Wait up to `grace_s` for every worker to exit; True if they all did, each with a non-zero code."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    return all(p.returncode != 0 for p in procs)
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
