@@ -129,7 +129,7 @@ def test_api_port_in_use_is_one_clear_error_and_leaves_nothing(tmp_path, home):
         port = taken.getsockname()[1]
         result = runner.invoke(app, ["cluster", "create", "-f", str(write_spec(tmp_path, api={"port": port}))])
     flat = " ".join(result.output.split())
-    assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in flat and "nothing was started" in flat
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in flat and "nothing was started" in flat
     assert list_clusters() == [] and processes_mentioning(str(home)) == []
 
 

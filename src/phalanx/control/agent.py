@@ -4,7 +4,8 @@ It brings its node up and keeps reporting on it:
   1. heartbeats to the controller from the start (the first heartbeat registers it), every
      `heartbeat_interval_s`, carrying its phase, the lifecycle script's result and the latest health;
   2. runs the `on_create` lifecycle script in its work dir (output to lifecycle.log; on failure the tail
-     goes into the report and the controller marks the node faulty);
+     goes into the report and the controller marks the node faulty). An executable script is run as is; a
+     non-executable one with the interpreter its `#!` line names (like the kernel would), else /bin/sh;
   3. runs the health checks (`phalanx.control.health`) now and then every `check_interval_s`.
 
 The controller answers each heartbeat with what it wants: keep running, or terminate; the workers this
@@ -37,10 +38,30 @@ from pathlib import Path
 from phalanx.control import health
 from phalanx.control.deep_check import DeepCheckRunner
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
+from phalanx.control.paths import PRIVATE_UMASK
 from phalanx.control.workers import WorkerSupervisor
 
 log = logging.getLogger("phalanx.agent")
 TAIL_LINES = 20
+
+
+def lifecycle_command(script: str) -> list[str]:
+    """How to run a lifecycle script: itself when executable; else the interpreter of its `#!` line (split
+    like the kernel does: the interpreter and at most one argument), so a non-executable Python script is not
+    fed to /bin/sh; else /bin/sh."""
+    if os.access(script, os.X_OK):
+        return [script]
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return ["/bin/sh", script]  # the shell reports the problem in lifecycle.log
+    if not first.startswith(b"#!"):
+        return ["/bin/sh", script]
+    interpreter, _, arg = first[2:].decode(errors="replace").strip().replace("\t", " ").partition(" ")
+    if not interpreter:
+        return ["/bin/sh", script]
+    return [interpreter, *([arg.strip()] if arg.strip() else []), script]
 
 
 def output_tail(path: Path, lines: int = TAIL_LINES, max_chars: int = 4000) -> str:
@@ -111,7 +132,7 @@ class Agent:
                                  "detail": "no on_create script"})
             return True
         log_path = self.work_dir / "lifecycle.log"
-        cmd = [script] if os.access(script, os.X_OK) else ["/bin/sh", script]
+        cmd = lifecycle_command(script)
         env = dict(os.environ, PHALANX_NODE_NAME=self.name, PHALANX_GROUP=self.cfg["group"],
                    PHALANX_INSTANCE_TYPE=self.cfg["instance_type"], PHALANX_WORK_DIR=str(self.work_dir),
                    PHALANX_CLUSTER=self.cfg["cluster"])
@@ -266,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Phalanx node agent")
     parser.add_argument("--config", required=True, type=Path, help="agent.json written by the backend")
     args = parser.parse_args(argv)
+    os.umask(PRIVATE_UMASK)  # its files, its lifecycle script's and its workers' are this user's only
     cfg = json.loads(args.config.read_text())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent {cfg['node']} %(levelname)s: %(message)s")
     agent = Agent(cfg)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from phalanx.control.paths import ClusterPaths
+from phalanx.control.paths import PRIVATE_UMASK, ClusterPaths, open_private_log
 from phalanx.control.spec import ClusterSpec
 from phalanx.control.store import Node
 from phalanx.control.workers import describe_exit
@@ -139,7 +139,7 @@ class LocalBackend:
     def launch(self, node: Node) -> int:
         group = self.spec.group(node.group)
         work = Path(node.work_dir)
-        work.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True, mode=0o700)
         h = self.spec.health
         cfg = {
             "cluster": self.spec.name, "node": node.name, "group": group.name,
@@ -154,10 +154,11 @@ class LocalBackend:
         }
         config_path = self.agent_config_path(node)
         config_path.write_text(json.dumps(cfg, indent=2))
-        with open(work / "agent.log", "ab") as log:
+        with open_private_log(work / "agent.log") as log:  # umask 077: the node's files are this user's only
             proc = subprocess.Popen(
                 [sys.executable, "-m", AGENT_MODULE, "--config", str(config_path)],
                 cwd=work, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                umask=PRIVATE_UMASK,
             )
         self._children[node.name] = proc
         return proc.pid

@@ -1,41 +1,68 @@
 """`phalanx cluster ...` and `phalanx fault ...` (typer + rich). Thin: parses arguments, calls
-`phalanx.control.cluster`, prints. Exit codes: 0 ok, 1 the operation failed, 2 bad input (nothing started).
+`phalanx.control.cluster`, prints. Exit codes: 0 ok, 1 the operation failed, 2 bad input or a refusal
+(nothing started).
+
+Output that is not a terminal (a pipe, a file) is not cut at 80 columns: tables keep their whole width.
+While the controller is down, what is shown comes from SQLite as last recorded: states that could have
+changed since are shown as unknown, with when the controller last recorded anything and the command that
+restarts it. Imports no torch (nor anything that does): these commands must start fast.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
 from rich.table import Table
+
+PIPE_WIDTH = 4096  # columns when the output is not a terminal (COLUMNS, when set, wins)
+
+
+class WideConsole(Console):
+    """rich's Console, except that it is wide when it does not write to a terminal: rich then assumes 80
+    columns, which cut `phalanx job list | cat` (or a redirect) mid-name."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+            return ConsoleDimensions(PIPE_WIDTH, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size) -> None:
+        Console.size.fset(self, new_size)
+
 
 cluster_app = typer.Typer(help="Create and operate a self-healing cluster (local backend).", no_args_is_help=True)
 fault_app = typer.Typer(help="Inject faults for tests and drills (they take the real fault paths).",
                         no_args_is_help=True)
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = WideConsole(highlight=False)
+err = WideConsole(stderr=True, highlight=False)
 NameArg = typer.Argument(None, help="cluster name (optional when only one cluster exists)")
 
 
 def _fail(message: str, code: int = 1):
-    err.print(f"[red]error:[/] {message}", markup=True)
+    err.print(f"[red]error:[/] {escape(message)}", markup=True)  # a message's own [brackets] are text
     raise typer.Exit(code)
 
 
 def _guard(fn):
     """Run an operation, turning the control plane's errors into one clear line and an exit code."""
-    from phalanx.control.cluster import ClusterError
+    from phalanx.control.cluster import ClusterError, ClusterRefused
     from phalanx.control.http import ApiError, ControllerUnreachable
     from phalanx.control.spec import SpecError
 
     try:
         return fn()
-    except SpecError as e:
+    except (SpecError, ClusterRefused) as e:
         _fail(str(e), 2)
     except (ClusterError, ControllerUnreachable) as e:
         _fail(str(e), 1)
@@ -47,8 +74,30 @@ def _ago(t: float | None) -> str:
     return "-" if t is None else f"{time.time() - t:.1f}s ago"
 
 
+def _first_line(text: str | None, width: int) -> str:
+    """The first line of a reason, at most `width` characters ("" for none: a running generation has none)."""
+    return (text or "").partition("\n")[0][:width]
+
+
 def _when(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
+FINAL_CLUSTER_STATUSES = ("failed", "deleted")
+
+
+def _down_since(t: float | None) -> str:
+    """'controller down since 12:03:04' (the last time it recorded anything) for offline views."""
+    if t is None:
+        return "controller down"
+    day = "" if time.localtime(t)[:3] == time.localtime()[:3] else time.strftime("%Y-%m-%d ", time.localtime(t))
+    return f"controller down since {day}{time.strftime('%H:%M:%S', time.localtime(t))}"
+
+
+def _warn_offline(cluster: str, since: float | None, what: str) -> None:
+    """One line on stderr: what follows is the last recorded state, not a live one."""
+    err.print(f"[yellow]warning:[/] {_down_since(since)} (cluster {cluster}): {what} as last recorded, not live; "
+              f"`phalanx cluster start {cluster}` restarts it", markup=True)
 
 
 @cluster_app.command("create")
@@ -79,13 +128,24 @@ def describe(name: Optional[str] = NameArg, as_json: bool = typer.Option(False, 
         _print_describe(info)
 
 
+def _status(info: dict) -> str:
+    """The cluster's status; unknown while its controller is down (the recorded one may be stale)."""
+    c = info["controller"]
+    if c.get("running", True) or info["status"] in FINAL_CLUSTER_STATUSES:
+        return info["status"]
+    return f"unknown ({_down_since(c.get('down_since'))}; last recorded {info['status']})"
+
+
 def _print_describe(info: dict) -> None:
     c = info["controller"]
     running = c.get("running", True)
-    out.print(f"[bold]{info['name']}[/]  status [bold]{info['status']}[/] ({info['status_reason']})  "
+    out.print(f"[bold]{info['name']}[/]  status [bold]{_status(info)}[/] ({info['status_reason']})  "
               f"backend {info['backend']}  node_recovery {info['node_recovery']}")
     out.print(f"controller: pid {c['pid']} {'running' if running else '[red]not running[/]'}  api {c['api']}  "
               f"rendezvous store {info['store']['addr']}")
+    if not running and info["status"] not in FINAL_CLUSTER_STATUSES:
+        out.print(f"[red]{_down_since(c.get('down_since'))}[/]: groups below as last recorded; "
+                  f"`phalanx cluster start {info['name']}` restarts it")
     t = Table("group", "instance type", "members healthy", "spares ready", "on_create")
     for g in info["groups"]:
         t.add_row(g["name"], g["instance_type"], f"{g['members_healthy']}/{g['count']}",
@@ -99,7 +159,10 @@ def list_nodes(name: Optional[str] = NameArg, all_nodes: bool = typer.Option(Fal
     """Name, group, role, state, health, job, pid and last heartbeat of every node."""
     from phalanx.control.cluster import ClusterClient
 
-    nodes = _guard(lambda: ClusterClient(name).nodes())
+    client = _guard(lambda: ClusterClient(name))
+    nodes = _guard(client.nodes)
+    if client.offline_since is not None:
+        _warn_offline(client.name, client.offline_since, "node states and heartbeats are")
     if not all_nodes:
         nodes = [n for n in nodes if n["state"] != "terminated"]
     if as_json:
@@ -109,7 +172,7 @@ def list_nodes(name: Optional[str] = NameArg, all_nodes: bool = typer.Option(Fal
     for n in nodes:
         t.add_row(n["name"], n["group"], "spare" if n["is_spare"] else "member", n["state"], _health(n["health"]),
                   n["job"] or "-", str(n["pid"] or "-"), _ago(n["last_heartbeat"]),
-                  (n["reason"] or "").splitlines()[0][:60])
+                  _first_line(n["reason"], 60))
     out.print(t)
 
 
@@ -170,12 +233,23 @@ def stop(name: Optional[str] = NameArg) -> None:
 def list_clusters_command() -> None:
     """Clusters under PHALANX_HOME and their status."""
     from phalanx.control.cluster import ClusterClient
-    from phalanx.control.paths import list_clusters
+    from phalanx.control.paths import list_clusters, phalanx_home
 
+    names = list_clusters()
+    if not names:
+        out.print(f"no clusters under {phalanx_home()}; create one with `phalanx cluster create -f SPEC`")
+        return
     t = Table("cluster", "status", "controller")
-    for name in list_clusters():
+    for name in names:
         info = _guard(lambda: ClusterClient(name).describe())
-        t.add_row(name, info["status"], "running" if info["controller"]["running"] else "not running")
+        c = info["controller"]
+        if c["running"]:
+            controller = "running"
+        elif info["status"] in FINAL_CLUSTER_STATUSES:
+            controller = "not running"
+        else:
+            controller = f"not running: {_down_since(c.get('down_since'))} (`phalanx cluster start {name}`)"
+        t.add_row(name, _status(info), controller)
     out.print(t)
 
 
@@ -203,5 +277,12 @@ def inject(node: str = typer.Option(..., "--node", help="node name (see `cluster
     """Inject a fault into a node; the controller detects and handles it like a real one."""
     from phalanx.control.cluster import ClusterClient
 
+    if kind is FaultKind.gpu_xid and xid is None:
+        _fail("--xid is required with --kind gpu-xid (e.g. --xid 13: the job restarts on the same nodes; "
+              "--xid 79: the node is replaced)", 2)
+    if kind is not FaultKind.gpu_xid and xid is not None:
+        _fail(f"--xid goes with --kind gpu-xid only, not --kind {kind.value}; drop --xid", 2)
+    if rank is not None and kind not in (FaultKind.kill_worker, FaultKind.hang_worker):
+        _fail(f"--rank goes with --kind kill-worker or hang-worker only, not --kind {kind.value}; drop --rank", 2)
     reply = _guard(lambda: ClusterClient(cluster).inject_fault(node, kind.value, rank=rank, xid=xid))
     out.print(f"{node}: {reply['kind']} — {reply['detail']}")

@@ -10,7 +10,14 @@
                                    (jobs: `phalanx.control.jobs.JobClient`)
 
 Talks to a running controller only over HTTP (with the token); reads SQLite directly only to describe a
-cluster whose controller is not running and to find what to stop when the controller is gone.
+cluster whose controller is not running and to find what to stop when the controller is gone. Such a read
+is the last *recorded* state, not a live one: `ClusterClient.offline_since` says when the controller last
+recorded anything (None after a live read), and the CLI shows non-final states as unknown.
+
+Errors: `ClusterRefused` for a request refused before anything started (an unknown or ambiguous cluster
+name, a duplicate name, an API port in use: bad input, exit 2 in the CLI); `ClusterError` for an operation
+that failed (exit 1). The cluster dir is private: mode 0700, its files 0600, and the controller starts with
+umask 077 (so do the agents, lifecycle scripts and workers it starts).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +33,8 @@ from pathlib import Path
 
 from phalanx.control.backend import AGENT_MODULE, cmdline, process_running, processes_mentioning, session_members
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
-from phalanx.control.paths import ClusterPaths, list_clusters, phalanx_home
+from phalanx.control.paths import (PRIVATE_UMASK, ClusterPaths, list_clusters, open_private_log, phalanx_home,
+                                   write_private)
 from phalanx.control.spec import ClusterSpec, SpecError, check_backend_supported, load_spec
 from phalanx.control.store import ClusterStatus, NodeState, Store, open_existing
 
@@ -34,6 +43,11 @@ CONTROLLER_MODULE = "phalanx.control.controller"  # kept equal to controller.CON
 
 class ClusterError(RuntimeError):
     """An operation on a cluster that cannot be done (the message says why and what to do)."""
+
+
+class ClusterRefused(ClusterError):
+    """A request refused before anything started: bad input (an unknown, ambiguous or duplicate cluster name,
+    an API port in use). The CLI exits 2."""
 
 
 class CreateFailed(ClusterError):
@@ -46,14 +60,15 @@ def resolve_name(name: str | None) -> str:
     if name:
         if not ClusterPaths.for_name(name).db.exists():
             known = ", ".join(list_clusters()) or "none"
-            raise ClusterError(f"no cluster named {name!r} under {phalanx_home()} (known: {known})")
+            raise ClusterRefused(f"no cluster named {name!r} under {phalanx_home()} (known: {known}); "
+                                 f"`phalanx cluster list` shows them")
         return name
     known = list_clusters()
     if len(known) == 1:
         return known[0]
     if not known:
-        raise ClusterError(f"no clusters under {phalanx_home()}; create one with `phalanx cluster create -f SPEC`")
-    raise ClusterError(f"several clusters ({', '.join(known)}); name one")
+        raise ClusterRefused(f"no clusters under {phalanx_home()}; create one with `phalanx cluster create -f SPEC`")
+    raise ClusterRefused(f"several clusters ({', '.join(known)}); name one")
 
 
 def controller_pid(paths: ClusterPaths) -> int | None:
@@ -71,6 +86,7 @@ class ClusterClient:
         self.paths = ClusterPaths.for_name(self.name)
         self.token = self.paths.read_token()
         self.timeout_s = timeout_s
+        self.offline_since: float | None = None  # set by a read served from SQLite: the controller's last record
 
     def url(self) -> str:
         ep = self.paths.read_endpoint()
@@ -83,27 +99,34 @@ class ClusterClient:
         return request_json(method, self.url() + path, self.token, body, timeout=self.timeout_s)
 
     def _read_store(self, read):
-        """The read-only view straight from SQLite, for when the controller is not running."""
+        """The read-only view straight from SQLite, for when the controller is not running. Sets
+        `offline_since`: the last time the controller recorded anything (a heartbeat, an event)."""
         store = open_existing(self.paths.db)
         try:
+            self.offline_since = last_recorded(store)
             return read(store)
         finally:
             store.close()
 
     def describe(self) -> dict:
-        """From the controller; from SQLite (controller shown as not running) when it is down."""
+        """From the controller; from SQLite when it is down: then `controller.running` is False and
+        `controller.down_since` the last time it recorded anything (the status is the last recorded)."""
         try:
             info = self.call("GET", "/v1/cluster")
             info["controller"]["running"] = True
+            self.offline_since = None
         except ControllerUnreachable:
             info = self._read_store(Store.describe)
             info["controller"]["running"] = False
+            info["controller"]["down_since"] = self.offline_since
         return info
 
     def nodes(self) -> list[dict]:
         """From the controller; from SQLite when it is down (then heartbeats are as last recorded)."""
         try:
-            return self.call("GET", "/v1/nodes")
+            nodes = self.call("GET", "/v1/nodes")
+            self.offline_since = None
+            return nodes
         except ControllerUnreachable:
             return self._read_store(lambda s: [n.public() for n in s.nodes()])
 
@@ -111,7 +134,9 @@ class ClusterClient:
         """The event history (from SQLite directly when the controller is down)."""
         query = f"?since_id={since_id}" + (f"&node={node}" if node else "") + (f"&limit={limit}" if limit else "")
         try:
-            return self.call("GET", "/v1/events" + query)
+            rows = self.call("GET", "/v1/events" + query)
+            self.offline_since = None
+            return rows
         except ControllerUnreachable:
             return self._read_store(lambda s: s.events(since_id=since_id, node=node, limit=limit))
 
@@ -122,13 +147,40 @@ class ClusterClient:
         return self.call("POST", f"/v1/nodes/{node}/faults", body)
 
 
+def last_recorded(store: Store) -> float | None:
+    """When the controller last wrote to SQLite: its newest heartbeat or event (its `stopped` event, after a
+    clean stop). Offline reads are as of this moment."""
+    times = [r[0] for r in store.execute("SELECT MAX(last_heartbeat) FROM nodes UNION ALL SELECT MAX(time) FROM "
+                                         "events UNION ALL SELECT controller_started_at FROM cluster")]
+    times = [t for t in times if t is not None]
+    return max(times) if times else None
+
+
 # ---- lifecycle of the controller and the cluster ------------------------------------------------------
 def _spawn_controller(paths: ClusterPaths) -> subprocess.Popen:
-    with open(paths.controller_log, "ab") as log:
+    # umask 077: the controller's files (state.db, logs, job dirs) and, inherited, those of the agents,
+    # lifecycle scripts and workers it starts are private to this user
+    with open_private_log(paths.controller_log) as log:
         return subprocess.Popen(
             [sys.executable, "-m", CONTROLLER_MODULE, "--cluster-dir", str(paths.root)],
             cwd=paths.root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            umask=PRIVATE_UMASK,
         )
+
+
+def _check_api_port(spec: ClusterSpec) -> None:
+    """Refuse a fixed `api.port` that cannot be bound now (the controller binds it the same way)."""
+    host, port = spec.api.host, spec.api.port
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ClusterRefused(f"api.port: cannot listen on {host}:{port} (spec api.host/api.port): "
+                                 f"{err.strerror}; choose another port, or 0 to pick a free one (nothing was "
+                                 f"started)") from None
 
 
 def _log_tail(paths: ClusterPaths, lines: int = 15) -> str:
@@ -164,11 +216,18 @@ def create_cluster(spec: ClusterSpec | Path | str, *, timeout_s: float = 300.0, 
     check_backend_supported(spec)
     paths = ClusterPaths.for_name(spec.name)
     if paths.root.exists():
-        raise ClusterError(f"cluster {spec.name!r} already exists at {paths.root}; "
-                           f"`phalanx cluster delete {spec.name}` first")
-    paths.root.mkdir(parents=True)
-    paths.spec.write_text(spec.model_dump_json(indent=2))
+        raise ClusterRefused(f"cluster {spec.name!r} already exists at {paths.root}; choose another name, or "
+                             f"`phalanx cluster delete {spec.name}` first")
+    _check_api_port(spec)
+    paths.root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        paths.root.mkdir(mode=0o700)
+    except FileExistsError:  # another `cluster create` of the same name got there first
+        raise ClusterRefused(f"cluster {spec.name!r} already exists at {paths.root}; choose another name") from None
+    paths.root.chmod(0o700)  # mkdir's mode is filtered by the umask
+    write_private(paths.spec, spec.model_dump_json(indent=2))
     paths.write_token()
+    write_private(paths.db, "")  # SQLite keeps an empty file's mode, and gives its -wal/-shm the same
     store = Store(paths.db)
     store.initialize(spec)
     store.close()
@@ -219,15 +278,16 @@ def start_controller(name: str | None = None, *, timeout_s: float = 60.0) -> dic
     paths = ClusterPaths.for_name(resolve_name(name))
     pid = controller_pid(paths)
     if pid:
-        raise ClusterError(f"the controller of cluster {paths.name} is already running (pid {pid})")
+        raise ClusterRefused(f"the controller of cluster {paths.name} is already running (pid {pid})")
     store = open_existing(paths.db)
     try:
         status = store.cluster()["status"]
     finally:
         store.close()
     if status in (ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
-        raise ClusterError(f"cluster {paths.name} is {status}; "
-                           f"`phalanx cluster delete {paths.name}` and create it again")
+        raise ClusterRefused(f"cluster {paths.name} is {status}; "
+                             f"`phalanx cluster delete {paths.name}` and create it again")
+    paths.root.chmod(0o700)  # a cluster created before its dir was made private
     proc = _spawn_controller(paths)
     return _wait_for_api(paths, proc, timeout_s).describe()
 
@@ -237,7 +297,7 @@ def stop_controller(name: str | None = None, *, timeout_s: float = 30.0) -> int:
     client = ClusterClient(name)
     pid = controller_pid(client.paths)
     if pid is None:
-        raise ClusterError(f"the controller of cluster {client.name} is not running")
+        raise ClusterRefused(f"the controller of cluster {client.name} is not running")
     client.call("POST", "/v1/controller/stop")
     if not _wait_gone(pid, str(client.paths.root), timeout_s):
         raise ClusterError(f"controller pid {pid} did not stop within {timeout_s:g} s")
@@ -334,5 +394,5 @@ def _kill_leftovers(paths: ClusterPaths) -> list[int]:
     return sorted(victims)
 
 
-__all__ = ["ClusterClient", "ClusterError", "CreateFailed", "SpecError", "create_cluster", "delete_cluster",
-           "start_controller", "stop_controller", "resolve_name", "controller_pid"]
+__all__ = ["ClusterClient", "ClusterError", "ClusterRefused", "CreateFailed", "SpecError", "create_cluster",
+           "delete_cluster", "start_controller", "stop_controller", "resolve_name", "controller_pid"]

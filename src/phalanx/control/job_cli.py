@@ -1,5 +1,8 @@
 """`phalanx job ...` (typer + rich). Thin: parses arguments, calls `phalanx.control.jobs.JobClient`, prints.
-Exit codes: 0 ok, 1 the operation failed, 2 bad input (nothing started).
+Exit codes: 0 ok, 1 the operation failed, 2 bad input or a refusal (nothing started). While the controller
+is down, `list` and `describe` show the last recorded jobs, with every state that may have changed since as
+`unknown (controller down since …; last recorded running)` and a warning naming `phalanx cluster start`.
+Imports no torch unless a training config is submitted.
 
     phalanx job submit CONFIG.yaml --nodes N [--auto-resume] [--max-retries K] [--name NAME] [key=value ...]
     phalanx job submit --nodes N [options] -- CMD ARGS...      any torch.distributed program (env:// rendezvous)
@@ -9,13 +12,14 @@ Exit codes: 0 ok, 1 the operation failed, 2 bad input (nothing started).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Optional
 
 import typer
 from rich.table import Table
 
-from phalanx.control.cli import _ago, _fail, _guard, _when, err, out
+from phalanx.control.cli import _ago, _down_since, _fail, _first_line, _guard, _warn_offline, _when, err, out
 
 job_app = typer.Typer(help="Run training jobs (and any torch.distributed program) on a cluster, with "
                            "auto-resume.", no_args_is_help=True)
@@ -29,23 +33,38 @@ def _client(cluster: str | None):
     return _guard(lambda: JobClient(cluster))
 
 
-def _job_guard(fn):
-    """`_guard` plus the job errors: a refused job or a config that fails preflight is bad input (exit 2)."""
+# the runtime's bad-input errors, looked up only among modules already imported: an error class whose module
+# was never imported cannot have been raised, and importing them here would import torch for a `job list`
+BAD_INPUT_ERRORS = (("phalanx.train.config", "ConfigError"), ("phalanx.data.errors", "DataError"),
+                    ("phalanx.parallel.dims", "ParallelConfigError"), ("phalanx.models.hf", "HFFormatError"))
+
+
+def _bad_input(e: Exception) -> bool:
     from phalanx.control.jobs import JobError
 
-    try:
-        from phalanx.data import DataError
-        from phalanx.parallel import ParallelConfigError
-        from phalanx.train.config import ConfigError
-        bad_input: tuple = (JobError, ConfigError, DataError, ParallelConfigError)
-    except ImportError:  # pragma: no cover - the runtime is part of the package
-        bad_input = (JobError,)
+    loaded = [getattr(sys.modules.get(module), name, None) for module, name in BAD_INPUT_ERRORS]
+    return isinstance(e, (JobError, *[c for c in loaded if isinstance(c, type)]))
+
+
+def _job_guard(fn):
+    """`_guard` plus the job errors: a refused job or a config that fails preflight is bad input (exit 2)."""
     try:
         return _guard(fn)
-    except bad_input as e:
-        _fail(str(e), 2)
     except TimeoutError as e:
         _fail(str(e), 1)
+    except Exception as e:  # typer.Exit from _guard is not bad input: re-raised as is
+        if not _bad_input(e):
+            raise
+        _fail(str(e), 2)
+
+
+def _state(j: dict) -> str:
+    """A job's state; unknown when read offline and not final (it may have changed since)."""
+    from phalanx.control.jobs import FINAL_STATES
+
+    if "controller_down_since" not in j or j["state"] in FINAL_STATES:
+        return j["state"]
+    return f"unknown ({_down_since(j['controller_down_since'])}; last recorded {j['state']})"
 
 
 @job_app.command("submit")
@@ -94,14 +113,17 @@ def submit(
 @job_app.command("list")
 def list_jobs(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json")) -> None:
     """Jobs like squeue: id, name, state, nodes, generation, attempts, step, time, nodes or reason."""
-    jobs = _job_guard(lambda: _client(cluster).list())
+    client = _client(cluster)
+    jobs = _job_guard(client.list)
+    if client.offline_since is not None:
+        _warn_offline(client.cluster.name, client.offline_since, "job states are")
     if as_json:
         out.print_json(json.dumps(jobs))
         return
     t = Table("JOBID", "NAME", "STATE", "NODES", "GEN", "ATTEMPTS", "STEP", "TIME", "NODELIST(REASON)")
     for j in jobs:
-        where = ",".join(j["nodes"]) if j["state"] == "running" else f"({(j['reason'] or '').splitlines()[0][:70]})"
-        t.add_row(j["id"], j["name"], j["state"], str(j["nodes_requested"]), str(j["generation"]),
+        where = ",".join(j["nodes"]) if j["state"] == "running" else f"({_first_line(j['reason'], 70)})"
+        t.add_row(j["id"], j["name"], _state(j), str(j["nodes_requested"]), str(j["generation"]),
                   str(j["attempts"]), "-" if j["last_step"] is None else str(j["last_step"]),
                   _duration(j["created_at"], j["ended_at"]), where)
     out.print(t)
@@ -116,11 +138,14 @@ def _duration(start: float, end: float | None) -> str:
 def describe(job: str = typer.Argument(..., help="job id or name"), cluster: Optional[str] = ClusterOpt,
              as_json: bool = typer.Option(False, "--json")) -> None:
     """State and why, attempts, retries, generations (nodes, rendezvous, outcome), workers, events."""
-    info = _job_guard(lambda: _client(cluster).describe(job))
+    client = _client(cluster)
+    info = _job_guard(lambda: client.describe(job))
+    if client.offline_since is not None:
+        _warn_offline(client.cluster.name, client.offline_since, "the job is shown")
     if as_json:
         out.print_json(json.dumps(info))
         return
-    out.print(f"[bold]job {info['id']}[/] ({info['name']}, {info['kind']})  state [bold]{info['state']}[/]  "
+    out.print(f"[bold]job {info['id']}[/] ({info['name']}, {info['kind']})  state [bold]{_state(info)}[/]  "
               f"last step {info['last_step'] if info['last_step'] is not None else '-'}")
     out.print(f"reason: {info['reason']}")
     out.print(f"{info['nodes_requested']} nodes × {info['workers_per_node']} workers (group {info['group_name']}); "
@@ -134,7 +159,7 @@ def describe(job: str = typer.Argument(..., help="job id or name"), cluster: Opt
         steps = f"{g['start_step']}→{g['last_step']}" if g["start_step"] is not None else "-"
         t.add_row(str(g["generation"]), ",".join(g["nodes"]), f"{g['master_addr']}:{g['master_port']}",
                   _when(g["started_at"]), steps, g["outcome"] or ("stopping" if g["stop_at"] else "running"),
-                  (g["end_reason"] or "").splitlines()[0][:80])
+                  _first_line(g["end_reason"], 80))
     out.print(t)
     w = Table("gen", "rank", "node", "pid", "state", "exit", "step", title="workers")
     for r in info["workers"]:

@@ -10,7 +10,9 @@
 config with the runtime's own `preflight` at world size = nodes × workers per node (batch arithmetic,
 parallel degrees, data files, vocabulary). Relative paths in the config are made absolute against the
 submitter's working directory (workers run elsewhere). Reads go to the controller; when it is down,
-`list`, `describe`, `logs` and `follow` read SQLite and the log files directly.
+`list`, `describe`, `logs` and `follow` read SQLite and the log files directly: each job they return then
+carries `controller_down_since` (when the controller last recorded anything), because a state that is not
+final may have changed since (the CLI shows it as unknown).
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ def absolute_paths(config, cwd: Path):
     fix(tree["checkpoint"], "dir")
     fix(tree["model"], "hf_path")
     return config_from_dict(tree)
+
+
+def timeout_warning(pg_timeout_s: float, hang_timeout_s: float) -> str | None:
+    """The warning `submit` gives when a job's collective timeout does not outlast the cluster's hang timeout
+    (the defaults, 300 > 240, agree)."""
+    if pg_timeout_s > hang_timeout_s:
+        return None
+    return (f"pg_timeout_s={pg_timeout_s:g} is not above the cluster's hang_timeout_s={hang_timeout_s:g}: a hung "
+            f"rank's peers time out first and the hang is retried as an application error instead of replacing "
+            f"its node (raise pg_timeout_s, or lower the spec's health.hang_timeout_s)")
 
 
 def default_name(text: str) -> str | None:
@@ -100,11 +112,9 @@ class JobClient:
             cfg = config if isinstance(config, TrainConfig) else load_config(config, list(overrides))
             cfg = absolute_paths(cfg, cwd)
             preflight(cfg, nodes * slots)
-            hang = info["health"]["hang_timeout_s"]
-            if cfg.pg_timeout_s <= hang:
-                warnings.append(f"pg_timeout_s={cfg.pg_timeout_s:g} is not above the cluster's hang_timeout_s="
-                                f"{hang:g}: a hung rank's peers time out first and the hang is retried as an "
-                                f"application error instead of replacing its node")
+            warning = timeout_warning(cfg.pg_timeout_s, info["health"]["hang_timeout_s"])
+            if warning:
+                warnings.append(warning)
             recovery = recovery or cfg.resilience.recovery
             if recovery != cfg.resilience.recovery:  # the job's workers read the mode from the config too
                 cfg = cfg.model_copy(update={"resilience": cfg.resilience.model_copy(update={"recovery": recovery})})
@@ -142,15 +152,28 @@ class JobClient:
     def _offline(self, read: Callable[[JobRecords], object]):
         return self.cluster._read_store(lambda store: read(JobRecords(store)))
 
+    @property
+    def offline_since(self) -> float | None:
+        """After a read served from SQLite (controller down): when the controller last recorded anything."""
+        return self.cluster.offline_since
+
     def list(self) -> list[dict]:
+        """Every job; from SQLite when the controller is down (each then with `controller_down_since`)."""
         try:
-            return self.cluster.call("GET", "/v1/jobs")
+            jobs = self.cluster.call("GET", "/v1/jobs")
+            self.cluster.offline_since = None
+            return jobs
         except ControllerUnreachable:
-            return self._offline(lambda r: [j.public() for j in r.jobs()])
+            jobs = self._offline(lambda r: [j.public() for j in r.jobs()])
+            return [{**j, "controller_down_since": self.offline_since} for j in jobs]
 
     def describe(self, job: str) -> dict:
+        """The job with its generations, workers and events; from SQLite when the controller is down (then
+        with `controller_down_since`)."""
         try:
-            return self.cluster.call("GET", f"/v1/jobs/{job}")
+            info = self.cluster.call("GET", f"/v1/jobs/{job}")
+            self.cluster.offline_since = None
+            return info
         except ApiError as err:
             if err.status == 404:
                 raise JobError(err.detail) from None
@@ -162,7 +185,7 @@ class JobClient:
                     raise JobError(f"no job {job!r} in cluster {self.cluster.name}")
                 return records.describe(found)
 
-            return self._offline(read)
+            return {**self._offline(read), "controller_down_since": self.offline_since}
 
     def wait(self, job: str, *, timeout_s: float = 600.0, states: Sequence[str] = FINAL_STATES,
              poll_s: float = 0.2) -> dict:

@@ -10,6 +10,8 @@
     jobs/<id>/       one dir per job: config.json (training jobs), logs/rank<R>.log (every generation's
                      output of that rank, appended), checkpoints/ (command jobs' PHALANX_CHECKPOINT_DIR)
 
+The dir is private to its user (0700; files 0600): the processes Phalanx starts run with PRIVATE_UMASK.
+
 Knows only file names: nothing about what runs or what the files mean.
 """
 
@@ -20,6 +22,9 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+
+
+PRIVATE_UMASK = 0o077  # the token, logs and job configs are this user's only
 
 
 def phalanx_home() -> Path:
@@ -95,6 +100,18 @@ class ClusterPaths:
             return json.loads(self.endpoint.read_text())
         except FileNotFoundError:
             return None
+
+
+def write_private(path: Path, text: str) -> None:
+    """Create `path` (it must not exist) readable by this user only, whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def open_private_log(path: Path):
+    """`path` opened for appending (binary), created 0600 if it is new."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -16,14 +16,18 @@ HyperPod has a *controller group* (the Slurm head node). Here the controller is 
 itself, started by `phalanx cluster create` on this machine, so there is no controller group to declare;
 every instance group is a group of worker nodes.
 
-Validated at the edge, before anything starts; an error names the field, the value and the fix. Knows
-nothing about processes, SQLite or HTTP.
+Validated at the edge, before anything starts; an error names the field, the value and the fix, in
+Phalanx's words (`instance_groups.0.cout: unknown field; valid fields: name, ...`), never pydantic's. The
+local backend runs every node as an agent process on this machine, so it refuses more than
+LOCAL_MAX_NODES nodes (members + spares over every group). Knows nothing about processes, SQLite or HTTP.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,6 +36,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
+# The local backend: each node is an agent process on this machine (plus, with warm standbys, one worker
+# process per slot with torch imported, ~0.3-0.5 GB each). 64 nodes is far beyond what one machine trains
+# with, and still few enough processes that a typo (`spares: 10000`) is refused rather than run.
+LOCAL_MAX_NODES = 64
 
 
 class SpecError(ValueError):
@@ -97,7 +105,9 @@ class InstanceGroupSpec(_Strict):
 class HealthSpec(_Strict):
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60)
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="no heartbeat this long → node faulty")
-    hang_timeout_s: float = Field(300.0, gt=0, description="no training progress this long → worker killed")
+    # below the training config's default pg_timeout_s (300): a frozen rank is killed by its agent (a node
+    # fault: the node is replaced) before its peers' collectives time out (which would read as an app error)
+    hang_timeout_s: float = Field(240.0, gt=0, description="no training progress this long → worker killed")
     deep_health_check: bool = Field(False, description="run the deep check (a timed all_reduce with a healthy "
                                                        "peer) while a node is provisioned")
     deep_check_min_busbw_gbps: float = Field(0.05, ge=0, description="deep check: fail a node whose all_reduce "
@@ -146,7 +156,19 @@ class ClusterSpec(_Strict):
         names = [g.name for g in self.instance_groups]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"instance group names must be unique; repeated: {', '.join(dupes)}")
+            raise ValueError(f"instance_groups: group names must be unique; repeated: {', '.join(dupes)} "
+                             f"(rename one)")
+        return self
+
+    @model_validator(mode="after")
+    def _fits_the_local_backend(self) -> ClusterSpec:
+        total = sum(g.count + g.spares for g in self.instance_groups)
+        if self.backend == "local" and total > LOCAL_MAX_NODES:
+            parts = ", ".join(f"{g.name}: count {g.count} + spares {g.spares}" for g in self.instance_groups)
+            raise ValueError(
+                f"instance_groups: {total} nodes in total ({parts}) is more than the local backend runs: at most "
+                f"{LOCAL_MAX_NODES} nodes, each an agent process on this machine; lower count or spares"
+            )
         return self
 
     def group(self, name: str) -> InstanceGroupSpec:
@@ -156,15 +178,50 @@ class ClusterSpec(_Strict):
         raise KeyError(name)
 
 
+def _model_at(loc: tuple, root: type[BaseModel] = None) -> type[BaseModel] | None:
+    """The spec model that holds the fields at `loc` (e.g. ("instance_groups", 0) → InstanceGroupSpec)."""
+    model = root or ClusterSpec
+    for part in loc:
+        if isinstance(part, int):
+            continue  # a list item: the list's element type was taken with the list field
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        inner = field.annotation
+        while typing.get_origin(inner) in (list, typing.Union, types.UnionType):
+            inner = next((a for a in typing.get_args(inner) if a is not type(None)), None)
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return None
+        model = inner
+    return model
+
+
+def _describe_error(e: dict) -> str:
+    """One pydantic error as `field: message (fix)`, in our words."""
+    loc = tuple(e["loc"])
+    field = ".".join(str(p) for p in loc)
+    value = e.get("input")
+    if e["type"] == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        valid = f"; valid fields: {', '.join(model.model_fields)}" if model else ""
+        return f"{field}: unknown field{valid}"
+    if e["type"] == "missing":
+        return f"{field}: required field is missing; add it"
+    if e["type"] == "model_type" or e["type"] == "dict_type":
+        return f"{field}: expected a mapping of fields, got {type(value).__name__} {value!r}"
+    if e["type"] == "list_type":
+        return f"{field}: expected a list, got {type(value).__name__} {value!r}"
+    msg = e["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if msg.startswith("Input should be "):
+        msg = "must be " + msg.removeprefix("Input should be ")
+    if not loc:  # a check across fields (its message names them)
+        return msg
+    shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+    return f"{field}: {msg}{shown}"
+
+
 def _format_validation_error(source: str, err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        value = e.get("input")
-        shown = "" if isinstance(value, (dict, list)) or e["type"] == "missing" else f" (got {value!r})"
-        lines.append(f"  {field}: {msg}{shown}")
-    return f"invalid cluster spec {source}:\n" + "\n".join(lines)
+    return f"invalid cluster spec {source}:\n" + "\n".join(f"  {_describe_error(e)}" for e in err.errors())
 
 
 def spec_from_dict(tree: object, *, source: str = "<dict>", base_dir: Path | None = None) -> ClusterSpec:
