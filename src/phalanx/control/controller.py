@@ -7,7 +7,10 @@ DIR/controller.log; pid in DIR/controller.pid). It owns:
   - the HTTP API (FastAPI on uvicorn, loopback by default, cluster token required);
   - the rendezvous store, a `torch.distributed.TCPStore(is_master=True)`: it lives here, not in rank 0,
     so it outlives any worker. Workers publish their progress there (`seam.progress_key`); the scheduler
-    reads it and relays it to the agents' hang detectors.
+    reads it and relays it to the agents' hang detectors. It listens on the API's connect address only
+    (`seam.serve_store`; torch alone would listen on every interface), and every key the controller reads or
+    writes goes through `seam.namespaced` (under the namespace derived from the cluster token) — the trust
+    boundary is in docs/control-plane.md.
 
 A restart rebuilds everything from SQLite: the same API and store ports are reused when free (agents
 re-read DIR/endpoint.json anyway), heartbeat timeouts count from when the API serves again (the reconciler
@@ -69,11 +72,11 @@ def bind_api_socket(host: str, port: int, fallback_to_any: bool) -> socket.socke
 
 
 def start_rendezvous_store(host: str, port: int | None):
-    """The controller-owned TCPStore. Reuses `port` (a restart) when it is free, else picks one."""
-    import torch.distributed as dist  # only the store: the control plane has no model code
+    """The controller-owned TCPStore, listening on `host` only (the address agents and workers are given).
+    Reuses `port` (a restart) when it is free, else picks one. Keys go through `seam.namespaced`."""
 
     def make(p: int):
-        return dist.TCPStore(host, p, is_master=True, wait_for_workers=False)
+        return seam.serve_store(host, p)  # only the store: the control plane has no model code
 
     if port:
         try:
@@ -139,15 +142,16 @@ class Controller:
                     f"heartbeat timeouts count from now")
         else:
             what = f"controller started (pid {os.getpid()})"
-        what += f"; API on {connect_host(host)}:{api_port}, rendezvous store on port {rendezvous.port}"
+        what += f"; API on {connect_host(host)}:{api_port}, rendezvous store on {connect_host(host)}:{rendezvous.port}"
         self.store.record_event("controller", what)
         log.info(what)
 
         store_addr = f"{connect_host(host)}:{rendezvous.port}"
+        keys = seam.namespaced(rendezvous, self.token)  # every key under the cluster's namespace
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
-            read_progress=lambda job, gen, ranks: seam.read_progress(rendezvous, job, gen, ranks),
-            controller_id=started_at, rendezvous=rendezvous,
+            read_progress=lambda job, gen, ranks: seam.read_progress(keys, job, gen, ranks),
+            controller_id=started_at, rendezvous=keys,
         )
         self.jobs.token = self.token
         if restart:

@@ -9,7 +9,8 @@ An agent starts each worker with the usual torch variables plus Phalanx's own:
     PHALANX_GENERATION                               bumped on every (re)start of the job
     PHALANX_STORE_ADDR                               host:port of the controller's TCPStore
     PHALANX_CHECKPOINT_DIR                           where the job saves and resumes checkpoints
-    PHALANX_CLUSTER_TOKEN                            the cluster token (to talk to the controller)
+    PHALANX_CLUSTER_TOKEN                            the cluster token (to talk to the controller; the
+                                                     store's key namespace is derived from it)
     PHALANX_CONFIG                                   training jobs: the resolved config (JSON) that
                                                      `python -m phalanx.train.worker` runs
     PHALANX_NODE                                     the node this worker runs on
@@ -51,6 +52,16 @@ imported, waiting) with a unique PHALANX_STANDBY_ID, and reports the ids in its 
 of that rank (and its log file) at the moment it starts the generation, so the standby starts without
 waiting for its agent's next heartbeat; the assignment names the id, and the agent adopts the process.
 
+Every key above lives under the cluster's namespace, `store_namespace(token)/`: an HMAC of the cluster token
+(never the token itself). Both sides open the store through `namespaced()` (controller) or `connect_store()`
+(workers), so the names listed here are what the code uses and the namespace is added underneath. A
+standby's assignment carries no token and is signed with a key derived from it (`standby_assignment`): a
+standby acts only on what the controller wrote. The namespace is no secret from a client that can connect
+(TCPStore answers `list_keys`): what keeps strangers out is where the store listens — `serve_store()` binds
+one address, never every interface (docs/control-plane.md, "Trust boundary"). Restart-mode generations under
+an agent rendezvous the same way: rank 0 serves MASTER_ADDR:MASTER_PORT on that address only, keys namespaced
+(`env_rendezvous_store`).
+
 Worker side: `progress_reporter()` returns a `ProgressReporter` when the worker runs under an agent. It
 publishes from a background thread (a training step never waits on the store) and outlives a store outage
 — a controller restart recreates the store empty on the same port — by reconnecting and re-publishing.
@@ -61,6 +72,9 @@ and `read_progress` import torch.distributed when used.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import os
 import threading
@@ -180,12 +194,113 @@ def standby_key(standby_id: str) -> str:
 def publish_generation(store, job_id: str, generation: int, nodes: list[str], workers_per_node: int) -> None:
     """Controller side: the layout first, then the generation number (a watcher that sees the number can
     read the layout)."""
-    import json
-
     layout = {"nodes": list(nodes), "workers_per_node": workers_per_node,
               "world_size": len(nodes) * workers_per_node}
     store.set(layout_key(job_id, generation), json.dumps(layout))
     store.set(generation_key(job_id), str(generation))
+
+
+def _derive(token: str, purpose: str) -> bytes:
+    return hmac.new(token.encode(), f"phalanx/{purpose}/v1".encode(), hashlib.sha256).digest()
+
+
+def store_namespace(token: str) -> str:
+    """The prefix every key of a cluster's stores lives under: derived from the cluster token by an HMAC, so
+    the token never appears in a store. Not secret from a client that can connect: see the module doc."""
+    return "phx-" + _derive(token, "store-namespace").hex()[:32]
+
+
+def namespaced(store, token: str | None):
+    """`store` with every key under the cluster's namespace (no token: `store` itself — torchrun, tests)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(store_namespace(token), store) if token else store
+
+
+def serve_store(host: str, port: int, timeout: timedelta | None = None):
+    """A TCPStore server listening on `host` only. torch's own (`TCPStore(is_master=True)`, and env://'s
+    rank 0) listens on every interface whatever `host` says (checked: torch 2.13, both backends); handing it
+    a socket bound here (`master_listen_fd`, which the store then owns) is the only way to choose.
+    OSError when `host:port` cannot be bound (port taken, address not on this machine)."""
+    import socket
+
+    import torch.distributed as dist
+
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    extra = {} if timeout is None else {"timeout": timeout}
+    return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+                         **extra)
+
+
+def connect_store(addr: str, token: str | None, timeout: timedelta):
+    """Worker side: a client of the controller's store at `addr` ("host:port"), under the cluster's namespace."""
+    import torch.distributed as dist
+
+    host, port = parse_store_addr(addr)
+    return namespaced(dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout), token)
+
+
+def env_rendezvous_store(env: Mapping[str, str], timeout: timedelta):
+    """The store a restart-mode generation's default process group rendezvouses on, instead of env://'s
+    (whose rank 0 listens on every interface): rank 0 serves MASTER_ADDR:MASTER_PORT bound to MASTER_ADDR
+    only, the other ranks connect; keys under the cluster's namespace. Applies under a node agent (the
+    controller picked MASTER_ADDR, the node's address, and a port free there) and to a loopback MASTER_ADDR
+    (`phalanx train`); None otherwise (srun, torchrun: MASTER_ADDR may be a name this host does not bind):
+    torch's env:// as usual."""
+    import ipaddress
+
+    import torch.distributed as dist
+
+    host = env.get(MASTER_ADDR, "")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not host or not env.get(MASTER_PORT) or not (env.get(JOB_ID) or loopback):
+        return None
+    port = int(env[MASTER_PORT])
+    if int(env.get(RANK, "0")) == 0:
+        store = serve_store(host, port, timeout)
+    else:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    return namespaced(store, env.get(CLUSTER_TOKEN))
+
+
+def standby_assignment(token: str, standby_id: str, env: Mapping[str, str], log_path: str) -> str:
+    """Controller side: the value of `standby_key(standby_id)` — the rank's env without the cluster token (the
+    standby has it from its agent; no store holds it) and its log file, signed for this standby with a key
+    derived from the token."""
+    body = json.dumps({"env": {k: v for k, v in env.items() if k != CLUSTER_TOKEN}, "log": log_path})
+    return json.dumps({"body": body, "mac": _assignment_mac(token, standby_id, body)})
+
+
+def open_standby_assignment(token: str, standby_id: str, raw: bytes | str) -> dict:
+    """Worker side: {"env", "log"} of a `standby_assignment`; ValueError unless the controller of this cluster
+    signed it for this standby (anyone who reaches the store can write the key)."""
+    try:
+        sealed = json.loads(raw)
+        body, mac = sealed["body"], sealed["mac"]
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"malformed standby assignment ({err})") from None
+    if not isinstance(body, str) or not isinstance(mac, str) or not hmac.compare_digest(
+            mac, _assignment_mac(token, standby_id, body)):
+        raise ValueError("standby assignment not signed with this cluster's token")
+    return json.loads(body)
+
+
+def _assignment_mac(token: str, standby_id: str, body: str) -> str:
+    return hmac.new(_derive(token, "standby-assignment"), f"{standby_key(standby_id)}\n{body}".encode(),
+                    hashlib.sha256).hexdigest()
 
 
 def parse_store_addr(addr: str) -> tuple[str, int]:
@@ -215,8 +330,9 @@ class ProgressReporter:
     """
 
     def __init__(self, store_addr: str, job_id: str, generation: int, rank: int, *, beat_s: float = BEAT_S,
-                 retry_s: float = 1.0, timeout_s: float = 2.0):
+                 retry_s: float = 1.0, timeout_s: float = 2.0, token: str | None = None):
         self.host, self.port = parse_store_addr(store_addr)
+        self.store_addr, self.token = store_addr, token  # token: keys under the cluster's namespace
         self.job_id = job_id
         self.step_key = progress_key(job_id, generation, rank)
         self.beat_key = alive_key(job_id, generation, rank)
@@ -250,9 +366,7 @@ class ProgressReporter:
                 self._cond.notify()
 
     def _connect(self):
-        import torch.distributed as dist
-
-        return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=self.timeout)
+        return connect_store(self.store_addr, self.token, self.timeout)
 
     def _publish_loop(self) -> None:
         store, published, failing, beat, next_beat, version = None, None, False, 0, 0.0, 0
@@ -294,4 +408,5 @@ def progress_reporter(env: Mapping[str, str] | None = None) -> ProgressReporter 
     env = os.environ if env is None else env
     if not env.get(STORE_ADDR) or not env.get(JOB_ID):
         return None
-    return ProgressReporter(env[STORE_ADDR], env[JOB_ID], int(env[GENERATION]), int(env[RANK]))
+    return ProgressReporter(env[STORE_ADDR], env[JOB_ID], int(env[GENERATION]), int(env[RANK]),
+                            token=env.get(CLUSTER_TOKEN))

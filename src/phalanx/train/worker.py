@@ -1,8 +1,10 @@
 """Entry point of one training worker process: `python -m phalanx.train.worker`.
 
 Reads the seam's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
-PHALANX_CONFIG, the resolved config as JSON), initialises torch.distributed (NCCL on GPU, gloo on CPU)
-and runs the `Trainer`. Works the same under `phalanx train`, torchrun or a Phalanx node agent.
+PHALANX_CONFIG: a YAML recipe, or the resolved config JSON that `phalanx train` and the control plane pass;
+`key.sub=value` overrides from PHALANX_OVERRIDES and the command line, resolved like `phalanx train`),
+initialises torch.distributed (NCCL on GPU, gloo on CPU) and runs the `Trainer`. Works the same under
+`phalanx train`, torchrun, srun or a Phalanx node agent. A config that cannot run: one `error:` line, exit 2.
 
 Under an agent with PHALANX_RECOVERY=checkpointless the process runs `phalanx.resilience.run` instead: it
 survives its peers' failures and regroups on the controller's store, generation after generation.
@@ -11,9 +13,9 @@ survives its peers' failures and regroups on the controller's store, generation 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import shlex
 import sys
 from datetime import timedelta
 
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from phalanx.control import seam
 from phalanx.process import exit_without_teardown
-from phalanx.train.config import ConfigError, config_from_dict
+from phalanx.train.config import ConfigError, TrainConfig, config_from_dict, load_config
 
 log = logging.getLogger("phalanx.worker")
 
@@ -35,12 +37,12 @@ def select_device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def run(config_tree: dict) -> int:
+def run(config_tree: dict | TrainConfig) -> int:
     from phalanx.data import DataError
     from phalanx.parallel import ParallelConfigError
     from phalanx.train.trainer import Trainer
 
-    config = config_from_dict(config_tree)
+    config = config_tree if isinstance(config_tree, TrainConfig) else config_from_dict(config_tree)
     threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads > 0:
         torch.set_num_threads(threads)
@@ -75,9 +77,17 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     """The default group from the env (torchrun, `phalanx train`). Under torchrun restarts, on the agent's
     store, each attempt gets its own key prefix: the store outlives the attempt, and torch (2.13) no longer
     prefixes it per attempt, so restarted ranks would read the dead attempt's gloo addresses and fail with
-    "connection refused"."""
+    "connection refused". Under a node agent (and `phalanx train`), rank 0 serves the rendezvous on
+    MASTER_ADDR only, keys under the cluster's namespace (`seam.env_rendezvous_store`): env://'s rank 0
+    would listen on every interface."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = None if agent_store else seam.env_rendezvous_store(os.environ, timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        return
+    if not agent_store or attempt == "0":
         dist.init_process_group(backend, timeout=timeout)
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -109,7 +119,6 @@ def wait_as_standby() -> None:
     """`--standby`: a warm spare's worker. Import what training needs now, then wait for the rank this
     process must become (the controller writes its env to `seam.standby_key`); adopt that env and its log
     file, and return to run as that rank."""
-    import json
     import time
 
     import phalanx.train.trainer  # noqa: F401
@@ -122,19 +131,22 @@ def wait_as_standby() -> None:
         log.warning("standby warm-up failed (%s: %s); the first step after adoption will be slower",
                     type(err).__name__, err)
 
-    host, port = seam.parse_store_addr(os.environ[seam.STORE_ADDR])
+    token = os.environ.get(seam.CLUSTER_TOKEN, "")
     key = seam.standby_key(os.environ[seam.STANDBY_ID])
     print(f"standby for {key}: warm (torch {torch.__version__}, warm-up {time.perf_counter() - started:.2f} s), "
           "waiting", flush=True)
     store = None
     while True:
         try:
-            store = store or dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                           timeout=timedelta(seconds=10))
+            store = store or seam.connect_store(os.environ[seam.STORE_ADDR], token, timedelta(seconds=10))
             if store.check([key]):
-                assignment = json.loads(store.get(key))
+                raw = store.get(key)
                 store.delete_key(key)
-                break
+                try:  # signed by the controller for this standby; anyone reaching the store could write the key
+                    assignment = seam.open_standby_assignment(token, os.environ[seam.STANDBY_ID], raw)
+                    break
+                except ValueError as err:
+                    log.warning("ignored an assignment on %s (%s); still waiting", key, err)
         except (RuntimeError, OSError):  # the controller restarts; its store comes back on the same port
             store = None
             time.sleep(0.5)
@@ -163,17 +175,31 @@ def main() -> int:
         return record
 
     logging.setLogRecordFactory(factory)
-    path = os.environ.get("PHALANX_CONFIG")
-    if not path:
-        print("error: PHALANX_CONFIG is not set (path to a resolved training config JSON)", file=sys.stderr)
-        return 2
     try:
-        with open(path) as f:
-            tree = json.load(f)
-        return run(tree)
-    except ConfigError as err:
+        config = resolve_config(sys.argv[1:], os.environ)
+        return run(config)
+    except ConfigError as err:  # before the process group: every rank says it (they may log apart)
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+
+
+def resolve_config(argv: list[str], environ) -> TrainConfig:
+    """The run's config, resolved as `phalanx train` resolves it (`load_config`): PHALANX_CONFIG names a YAML
+    recipe or a JSON config (`phalanx train` and the control plane pass the resolved config.json), or, when it
+    is unset, the first argument does; `key.sub=value` overrides come from PHALANX_OVERRIDES (shell-quoted,
+    space-separated), then from the remaining arguments. Raises ConfigError."""
+    args = [a for a in argv if a != "--standby"]
+    path = environ.get(seam.CONFIG)
+    if not path and args and "=" not in args[0]:
+        path, args = args[0], args[1:]
+    if not path:
+        raise ConfigError(f"{seam.CONFIG} is not set; set it to a training recipe (YAML) or config JSON, e.g. "
+                          f"{seam.CONFIG}=recipes/tiny-llama.yaml, or pass the recipe as the first argument")
+    try:
+        overrides = shlex.split(environ.get("PHALANX_OVERRIDES", ""))
+    except ValueError as err:
+        raise ConfigError(f"PHALANX_OVERRIDES: {err}; write key.sub=value pairs separated by spaces") from None
+    return load_config(path, overrides + args)
 
 
 if __name__ == "__main__":
