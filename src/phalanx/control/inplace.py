@@ -34,6 +34,7 @@ log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
 NODE_FAULTS = ("node", "hang")
 IN_PLACE_OUTCOMES = ("node-fault", "process-fault", "stranded")
+MAX_FAILED_REGROUPS = 3  # in-place recoveries in a row that never restored: then restart from the checkpoint
 
 
 class InPlaceRecovery:
@@ -64,6 +65,23 @@ class InPlaceRecovery:
         per = job.workers_per_node
         faulted = {(f["node"], f["rank"] % per) for f in prev.faults if f.get("rank") is not None}
         return {(n, i) for n in gen.nodes if n in prev.nodes for i in range(per)} - faulted
+
+    def carried_standbys(self, job: Job, gen: Generation) -> dict[tuple[str, int], str]:
+        """Slots of `gen` whose survivor is a warm standby that an earlier generation activated through the
+        store (the standby starts at once; its agent adopts it with its next heartbeat reply). When that
+        generation failed before the agent heard of it, the agent still holds the process as an idle standby:
+        naming it here lets the agent adopt it as the slot's survivor instead of starting a second process
+        for the same rank."""
+        out: dict[tuple[str, int], str] = {}
+        per, later = job.workers_per_node, gen
+        while (prev := self._previous_in_place(job, later)) is not None:
+            for node in set(gen.nodes) & set(prev.nodes):
+                for i in range(per):
+                    sid = prev.standbys.get(str(prev.nodes.index(node) * per + i))
+                    if sid is not None:
+                        out.setdefault((node, i), sid)
+            later = prev
+        return out
 
     def standby_nodes(self, job: Job, gen: Generation) -> list[str]:
         """Nodes of `gen` whose ranks a warm standby may take: every node of a training job's generation,
@@ -105,6 +123,19 @@ class InPlaceRecovery:
                  "detail": f"{left} rank(s) left generation {gen.generation} after a failed collective and no "
                            f"worker or node fault followed within {grace:g} s (a network error?)"}]
 
+    def regroup_failing(self, job: Job, gen: Generation) -> dict | None:
+        """A fault of its own when `gen` is the MAX_FAILED_REGROUPS-th recovery in a row to fail before it
+        restored any state: recovering in place again would loop, so the job restarts from its checkpoint
+        with fresh processes (outcome regroup-failed). None otherwise."""
+        failed, g = 0, self.records.generation(job.id, gen.generation) or gen
+        while g.restored is None and (prev := self._previous_in_place(job, g)) is not None:
+            failed, g = failed + 1, prev
+        if failed < MAX_FAILED_REGROUPS:
+            return None
+        return {"kind": "regroup-failed", "node": None, "rank": None, "time": time.time(),
+                "detail": f"{failed} in-place recoveries in a row failed before restoring any state (generations "
+                          f"{gen.generation - failed + 1}-{gen.generation})"}
+
     def recover(self, job: Job, gen: Generation, faults: list[dict]) -> None:
         """End the generation now without stopping its survivors; the failed ranks' nodes are replaced (or,
         for a killed process on a healthy node, the node keeps its place) and the scheduler's `advance`
@@ -125,7 +156,8 @@ class InPlaceRecovery:
         else:
             what = (f"{first}; next: survivors keep running and wait for generation {gen.generation + 1}"
                     + (f" with {', '.join(bad)} replaced" if bad else " (a new process in the failed one's place)")
-                    + ", where the replacement restores its state from peers' memory")
+                    + "; the lost state comes from peers' memory where they hold it, else from the newest "
+                      "checkpoint (the generation's state_restored event says which)")
         self.records.transition(job.id, J.RECOVERING, what)
         self.store.record_event("recovery", what, job=job.id)
         log.warning("job %s generation %d (checkpointless): %s", job.id, gen.generation, what)

@@ -71,7 +71,7 @@ class JobScheduler:
         self.store_addr = store_addr
         self.controller_id = controller_id  # agents restart their hang clocks when this changes
         self.rendezvous = rendezvous  # the controller's TCPStore (checkpointless generations, warm standbys)
-        self.token = ""  # the cluster token, put in a standby's env (set by the controller)
+        self.token = ""  # the cluster token: workers' env; signs standby assignments (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
         self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous)  # checkpointless jobs
@@ -202,7 +202,9 @@ class JobScheduler:
                 per = job.workers_per_node
                 first = gen.nodes.index(node.name) * per
                 survivors = self.inplace.survivor_slots(job, gen)
-                ranks = [{"rank": first + i, "local_rank": i, "standby": gen.standbys.get(str(first + i)),
+                carried = self.inplace.carried_standbys(job, gen) if survivors else {}
+                ranks = [{"rank": first + i, "local_rank": i,
+                          "standby": gen.standbys.get(str(first + i)) or carried.get((node.name, i)),
                           "carry": (node.name, i) in survivors} for i in range(per)]
                 progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
                 out.append({"recovery": job.recovery,
@@ -283,7 +285,10 @@ class JobScheduler:
             return
         self._record_faults(job, gen, faults, mark_faulty)
         if job.recovery == seam.CHECKPOINTLESS and all(self.inplace.recoverable(f) for f in faults):
-            return self.inplace.recover(job, gen, faults)
+            looping = self.inplace.regroup_failing(job, gen)
+            if looping is None:
+                return self.inplace.recover(job, gen, faults)
+            faults = self._record_faults(job, gen, [looping], mark_faulty)
         # stop_at: taken now, under the lock — a reply with a later sent_at no longer carries this generation
         self.records.update_generation(job.id, gen.generation, stop_at=time.time())
         first = faults[0]["detail"]
@@ -380,6 +385,10 @@ class JobScheduler:
 
     def _conclude(self, job: Job, gen: Generation, now: float) -> None:
         """Every worker of the stopped generation is gone: classify the faults and restart or fail."""
+        looping = [f for f in gen.faults if f["kind"] == "regroup-failed"]
+        if looping:  # not in place again: fresh processes, on healthy nodes, from the newest checkpoint
+            return self._resume_or_fail(job, gen, now, "regroup-failed", looping[0]["detail"],
+                                        "with fresh processes on healthy nodes", "on healthy nodes")
         node_faults = [f for f in gen.faults if f["kind"] in NODE_FAULTS]
         if node_faults:
             root = next((f for f in node_faults if f["kind"] == "hang"), node_faults[0])
@@ -523,8 +532,8 @@ class JobScheduler:
                         continue  # its agent starts a fresh process for this rank
                     rank = gen.nodes.index(name) * per + local
                     env = seam.worker_env(self._placement(job, gen, name, rank, local), base=self._worker_env(job))
-                    self.rendezvous.set(seam.standby_key(standby), json.dumps(
-                        {"env": env, "log": str(Path(job.job_dir) / "logs" / f"rank{rank}.log")}))
+                    self.rendezvous.set(seam.standby_key(standby), seam.standby_assignment(
+                        self.token, standby, env, str(Path(job.job_dir) / "logs" / f"rank{rank}.log")))
                     used[str(rank)] = standby
             if used:
                 self.records.update_generation(job.id, gen.generation, standbys=used)

@@ -167,7 +167,9 @@ class WorkerSupervisor:
             for w in self.workers.values():
                 if w.assignment not in self.desired and w.job not in self.held and w.state == "running":
                     self._stop(w, now)
-            self._keep_standbys(standby)
+            # while a job holds this node between generations, a standby the failed generation activated may
+            # be the survivor the next one counts on (`_adopt`): none is stopped until that generation comes
+            self._keep_standbys(standby, stop_extra=not self.held)
 
     def _carry(self, a: dict, r: dict) -> Worker | None:
         """Checkpointless: the worker of this job on the same slot (a survivor of an older generation) serves
@@ -201,14 +203,27 @@ class WorkerSupervisor:
         return old
 
     def _adopt(self, a: dict, r: dict) -> Worker | None:
-        """The warm standby the controller told to become this rank (through the store), if it is alive."""
+        """The warm standby the controller told to become this rank (through the store), if it is alive. A
+        standby that an earlier generation activated and this agent never adopted (that generation failed
+        first) may be this slot's survivor (`carry`): adopted the same way, or, if it died meanwhile, reported
+        as this generation's fault like any survivor that could not be carried (see `_carry`)."""
         sb = self.standbys.get(r["local_rank"])
-        if not r.get("standby") or sb is None or sb.id != r["standby"] or sb.proc.poll() is not None:
+        if not r.get("standby") or sb is None or sb.id != r["standby"]:
+            return None
+        code = sb.proc.poll()
+        if code is not None and not r.get("carry"):
             return None
         del self.standbys[r["local_rank"]]
         w = Worker(a["job"], a["generation"], r["rank"], r["local_rank"], pid=sb.proc.pid, started_at=time.time(),
                    proc=sb.proc, log_path=Path(a["log_dir"]) / f"rank{r['rank']}.log", last_change=time.monotonic())
         w.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if code is not None:
+            self._exited(w, code)
+            log.warning("warm standby %s (pid %d), activated for job %s, %s before it could be carried into "
+                        "generation %d as rank %d; reporting it as that generation's fault", sb.id, w.pid, w.job,
+                        w.detail, w.generation, w.rank)
+            self.wake()
+            return w
         self._log_line(w, f"=== phalanx: job {w.job} generation {w.generation} rank {w.rank} on node {self.node}: "
                           f"warm standby {sb.id} (pid {w.pid}) adopted {time.strftime('%H:%M:%S')} ===")
         log.info("warm standby %s (pid %d) became rank %d/%d of job %s generation %d", sb.id, w.pid, w.rank,
@@ -223,14 +238,15 @@ class WorkerSupervisor:
             log.warning("could not write to %s: %s", w.log_path, err)
 
     # ---- warm standbys --------------------------------------------------------------------------------
-    def _keep_standbys(self, wanted: int) -> None:
-        """Keep `wanted` standby processes (slots 0..wanted-1); stop the rest. Called under the lock."""
+    def _keep_standbys(self, wanted: int, stop_extra: bool = True) -> None:
+        """Keep `wanted` standby processes (slots 0..wanted-1); stop the rest (if `stop_extra`). Called under
+        the lock."""
         for slot, sb in list(self.standbys.items()):
             if sb.proc.poll() is not None:
                 log.warning("warm standby %s exited with %s; next: start another if still wanted", sb.id,
                             sb.proc.returncode)
                 del self.standbys[slot]
-            elif slot >= wanted:
+            elif slot >= wanted and stop_extra:
                 _signal_group(sb.proc.pid, signal.SIGTERM)
                 try:
                     sb.proc.wait(timeout=STOP_GRACE_S)

@@ -3,7 +3,8 @@
 The controller publishes each generation's layout and then its number (`seam.publish_generation`). A
 worker finds its rank in a layout from its node and local rank, so a survivor keeps its place and a
 replacement takes the failed one's. Process groups rendezvous on `PrefixStore(seam.pg_prefix(job, g))` of
-that store — it lives in the controller, so it outlives any rank (rank 0 included).
+that store — it lives in the controller, so it outlives any rank (rank 0 included). Every key goes through
+`seam.connect_store`, under the namespace derived from the cluster token (PHALANX_CLUSTER_TOKEN).
 
 `arrive()` counts this rank in and waits until every rank of the generation has arrived before
 `init_process_group` (which would otherwise block, uninterruptibly, on a rank that will never come); a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from phalanx.control import seam
+from phalanx.resilience.regroup_store import RegroupStore
 
 log = logging.getLogger("phalanx.membership")
 POLL_S = 0.01
@@ -44,6 +47,10 @@ class NotInGeneration(RuntimeError):
     """This worker's node has no place in the new generation (it was judged faulty)."""
 
 
+class RankTaken(RuntimeError):
+    """Another process already holds this worker's rank in the generation."""
+
+
 @dataclass(frozen=True)
 class Placement:
     generation: int
@@ -53,22 +60,27 @@ class Placement:
 
 
 class Membership:
-    def __init__(self, store_addr: str, job_id: str, node: str, local_rank: int, *, timeout_s: float = 30.0):
+    def __init__(self, store_addr: str, job_id: str, node: str, local_rank: int, *, timeout_s: float = 30.0,
+                 token: str | None = None):
         self.host, self.port = seam.parse_store_addr(store_addr)
+        self.store_addr, self.token = store_addr, token
         self.job_id, self.node, self.local_rank = job_id, node, local_rank
         self.timeout = timedelta(seconds=timeout_s)
         self.store = self._connect()
         self.superseded = threading.Event()
+        self.regroup_store: RegroupStore | None = None  # the current generation's (see init_process_group)
+        self.identity = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"  # claims ranks (`arrive`)
         self._watching: int | None = None
         self._watch_lock = threading.Lock()
 
     @classmethod
     def from_env(cls, env=None) -> "Membership":
         env = os.environ if env is None else env
-        return cls(env[seam.STORE_ADDR], env[seam.JOB_ID], env[seam.NODE], int(env[seam.LOCAL_RANK]))
+        return cls(env[seam.STORE_ADDR], env[seam.JOB_ID], env[seam.NODE], int(env[seam.LOCAL_RANK]),
+                   token=env.get(seam.CLUSTER_TOKEN))
 
     def _connect(self):
-        return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=self.timeout)
+        return seam.connect_store(self.store_addr, self.token, self.timeout)
 
     # ---- generations ----------------------------------------------------------------------------------
     def latest(self, store=None) -> int:
@@ -108,7 +120,16 @@ class Membership:
 
     # ---- forming a generation ---------------------------------------------------------------------------
     def arrive(self, p: Placement, timeout_s: float) -> None:
-        """Count this rank in, then wait for all `p.world_size` ranks (or a newer generation)."""
+        """Claim this rank, count it in, then wait for all `p.world_size` ranks (or a newer generation).
+
+        Exactly one process holds a rank in a generation: the first to claim it. Another process that finds
+        the rank taken (a stale standby beside a fresh process, say) raises `RankTaken` before it is counted:
+        two processes as one rank would leave another rank missing and every peer waiting for it."""
+        claim = f"{seam.joined_key(self.job_id, p.generation)}/claim/{p.rank}"
+        holder = self.store.compare_set(claim, "", self.identity).decode()
+        if holder != self.identity:
+            raise RankTaken(f"rank {p.rank} of generation {p.generation} is already held by process {holder}; "
+                            f"this process ({self.identity}) stays out")
         key = seam.joined_key(self.job_id, p.generation)
         self.store.add(key, 1)
         deadline = time.monotonic() + timeout_s
@@ -121,9 +142,20 @@ class Membership:
                                    f"{timeout_s:g} s")
             time.sleep(POLL_S)
 
-    def init_process_group(self, p: Placement, backend: str, timeout_s: float) -> None:
+    def init_process_group(self, p: Placement, backend: str, timeout_s: float, regroup_timeout_s: float) -> None:
+        """The generation's default group (and, later, every `new_group`) on a `RegroupStore`: a peer that
+        dies while the groups form costs at most `regroup_timeout_s`, and a newer generation ends the wait
+        at once. `timeout_s` is the collectives' timeout."""
+        def newer() -> int:
+            latest = self.latest()
+            return latest if latest > p.generation else 0
+
         prefixed = dist.PrefixStore(seam.pg_prefix(self.job_id, p.generation), self.store)
-        dist.init_process_group(backend, store=prefixed, rank=p.rank, world_size=p.world_size,
+        # torch keeps only a C++ reference to a Python store: the Python object must outlive the groups, or
+        # torch's calls into it fail ("Not implemented")
+        self.regroup_store = RegroupStore(prefixed, newer=newer, superseded=lambda g: Superseded(p.generation, g),
+                                          timeout_s=regroup_timeout_s)
+        dist.init_process_group(backend, store=self.regroup_store, rank=p.rank, world_size=p.world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
     def report_left(self, generation: int) -> None:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from phalanx.control import seam
 from phalanx.resilience.drill import Drill
-from phalanx.resilience.membership import Membership, NotInGeneration, Superseded
+from phalanx.resilience.membership import Membership, NotInGeneration, RankTaken, Superseded
 from phalanx.resilience.plan import LIVE, Copy, Holding, choose_plan
 from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
 from phalanx.resilience.state import IntegrityError, ShardState, exchange, shard_layout
@@ -81,6 +81,12 @@ def release_process_groups(marks: dict | None = None) -> None:
     marks["gc"] = time.time()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Group names come from a per-process counter that only destroying WORLD resets: a generation whose
+    # `init_process_group` or mesh failed half-way leaves it advanced, and the next generation's groups would
+    # then rendezvous under other names than its peers' (each waiting on keys nobody writes).
+    _c10d = dist.distributed_c10d
+    if hasattr(_c10d, "_world"):
+        _c10d._world.group_count = 0
     marks["destroyed"] = time.time()
     gc.collect()
     gc.freeze()  # what survives is this process's long-lived state: later collections skip it
@@ -147,10 +153,13 @@ def _clear_dtensor_caches() -> None:
 
 @dataclass
 class Fault:
+    """The fault this rank is recovering from: where it was (generation, step of the state it holds) and
+    when; `again` counts the generations that failed during the recovery (before this rank trained again)."""
     generation: int
     at: float
     what: str
     step: int | None
+    again: int = 0
 
 
 class CheckpointlessRun:
@@ -187,6 +196,9 @@ class CheckpointlessRun:
             except NotInGeneration as err:
                 log.warning("%s; next: exit (the controller replaced this node)", err)
                 return 0
+            except RankTaken as err:
+                log.error("%s; next: exit with code %d", err, EXIT_NO_GENERATION)
+                return EXIT_NO_GENERATION
             except Exception as err:  # noqa: BLE001 - classified right here
                 if not is_peer_fault(err):
                     raise
@@ -214,9 +226,13 @@ class CheckpointlessRun:
 
     def leave_generation(self, what: str) -> None:
         now = time.time()
-        step = self.trainer.progress.step if self.trainer is not None else None
-        if self.fault is None or self.fault.generation != self.generation:
+        resumed = self.trainer is not None and self.trainer.ready  # trained (or restored) in this generation
+        if self.fault is None or (resumed and self.fault.generation != self.generation):
+            step = self.trainer.progress.step if resumed else self.carried.step if self.carried is not None else None
             self.fault = Fault(self.generation, now, what, step)
+        else:  # a fault during the recovery from an earlier one: the same recovery goes on, from the same step
+            self.fault.again += 1
+        step = self.fault.step
         self.marks = {"fault": now}
         log.warning("generation %d ended at step %s (%s); next: keep this process and its state in memory, "
                     "wait for the next generation", self.generation, step, what)
@@ -246,7 +262,8 @@ class CheckpointlessRun:
         placement = self.membership.placement(generation)
         self.membership.arrive(placement, self.settings.regroup_timeout_s)
         marks["arrived"] = time.time()
-        self.membership.init_process_group(placement, self.backend, self.config.pg_timeout_s)
+        self.membership.init_process_group(placement, self.backend, self.config.pg_timeout_s,
+                                           self.settings.regroup_timeout_s)
         marks["pg"] = time.time()
         if self.fault is not None:
             self.drill.at_regroup()
@@ -300,6 +317,7 @@ class CheckpointlessRun:
         infos: list = [None] * placement.world_size
         dist.all_gather_object(infos, info)
         self.marks["gathered"] = time.time()
+        told = self._record_fault(trainer, infos)
         plan = choose_plan([i["holding"] for i in infos])
         received, restore_error = 0, None
         if plan.kind == "memory":
@@ -321,12 +339,14 @@ class CheckpointlessRun:
             if self.carried is not None or self.shelf.copies():
                 log.warning("checkpointless restore not possible: %s", plan.reason)
             trainer.initialize_weights()
-            trainer.start()  # the newest valid checkpoint (its own `resumed` event), or a fresh start
+            # the newest valid checkpoint, or a fresh start; after a fault, `resumed` comes after `state_restored`
+            trainer.start(announce=told is None)
         trainer.ready = True
         moved = torch.tensor([float(received)])
         dist.all_reduce(moved)
         self.marks["restored"] = time.time()
-        self._record(trainer, plan, infos, start, int(moved.item()))
+        if told is not None:
+            self._record_restored(trainer, plan, infos, start, int(moved.item()), told)
         self.carried = None
         self.shelf.prune_after(trainer.progress.step)
 
@@ -334,43 +354,56 @@ class CheckpointlessRun:
         """States travel in host memory over gloo: the default group on CPU, a gloo group beside NCCL."""
         return None if self.backend == "gloo" else dist.new_group(backend="gloo")
 
-    def _record(self, trainer, plan, infos: list[dict], start: float, moved: int) -> None:
-        """Rank 0: the recovery in metrics.jsonl and for the controller."""
-        if dist.get_rank() != 0:
-            return
+    def _record_fault(self, trainer, infos: list[dict]) -> list[dict] | None:
+        """Rank 0, after a fault: what happened and how the generation formed (metrics.jsonl), before any
+        state moves. Returns the events told so far (None on other ranks and on a first start)."""
         faults = [i["fault"] for i in infos if i["fault"] is not None]
-        if not faults:
-            return  # a first start: trainer.start() recorded it
-        now, told = time.time(), []
-
-        def event(kind: str, **fields) -> None:  # to metrics.jsonl, and (below) to the controller's events
-            trainer.metrics.event(kind, **fields)
-            told.append({"event": kind, **fields})
-
+        if dist.get_rank() != 0 or not faults:
+            return None
+        told: list[dict] = []
         first = min(faults, key=lambda f: f["at"])
-        lost_from = max((f["step"] for f in faults if f["step"] is not None), default=None)
+        t0 = first["at"]
         fresh = [i["rank"] for i in infos if i["fault"] is None]
+        self._event(trainer, told, "fault_detected", at=first["at"], generation=first["generation"],
+                    step=first["step"], what=first["what"], detected_by=len(faults),
+                    failed_generations=1 + max(f.get("again", 0) for f in faults))
+        phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
+        self._event(trainer, told, "generation", generation=self.generation, world_size=len(infos),
+                    survivors=len(faults), replacements=fresh,
+                    rejoin_started_at=min((i["process_started_at"] for i in infos if i["fault"] is None),
+                                          default=None),
+                    phases_since_fault_s=phases)
+        self._event(trainer, told, "pg_rebuilt", generation=self.generation,
+                    seconds=round(max(i["marks"]["pg"] - i["marks"]["arrived"] for i in infos), 4),
+                    all_arrived_after_fault_s=round(max(i["marks"]["arrived"] for i in infos) - t0, 4))
+        return told
+
+    @staticmethod
+    def _event(trainer, told: list[dict], kind: str, **fields) -> None:
+        """To metrics.jsonl, and (in `_record_restored`) to the controller's events."""
+        trainer.metrics.event(kind, **fields)
+        told.append({"event": kind, **fields})
+
+    def _record_restored(self, trainer, plan, infos: list[dict], start: float, moved: int,
+                         told: list[dict]) -> None:
+        """Rank 0: how the state was restored, then `resumed` (metrics.jsonl), and the whole recovery for the
+        controller. Steps lost: the newest step any rank held at the fault minus the step training resumes
+        from (never negative: a rank's step is the state it holds, not a generation that never trained)."""
+        faults = [i["fault"] for i in infos if i["fault"] is not None]
+        first = min(faults, key=lambda f: f["at"])
+        held = [f["step"] for f in faults if f["step"] is not None]
+        step = trainer.progress.step
         source = ("checkpoint" if plan.kind == "disk" else "buddy-snapshot" if plan.from_snapshot
                   else "peer-memory")
-        event("fault_detected", at=first["at"], generation=first["generation"], step=first["step"],
-              what=first["what"], detected_by=len(faults))
-        t0 = first["at"]
-        phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
-        event("generation", generation=self.generation, world_size=len(infos), survivors=len(faults),
-              replacements=fresh, rejoin_started_at=min((i["process_started_at"] for i in infos
-                                                        if i["fault"] is None), default=None),
-              phases_since_fault_s=phases)
-        event("pg_rebuilt", generation=self.generation,
-              seconds=round(max(i["marks"]["pg"] - i["marks"]["arrived"] for i in infos), 4),
-              all_arrived_after_fault_s=round(max(i["marks"]["arrived"] for i in infos) - t0, 4))
-        summary = {"source": source, "step": trainer.progress.step, "bytes": moved,
-                   "seconds": round(now - start, 4), "transfers": len(plan.transfers),
-                   "reason": plan.reason or None}
-        event("state_restored", **summary)
-        if plan.kind == "memory":
-            steps_lost = (lost_from - trainer.progress.step) if lost_from is not None else None
-            event("resumed", step=trainer.progress.step, samples_consumed=trainer.progress.samples_consumed,
-                  world_size=len(infos), recovery="checkpointless", steps_lost=steps_lost)
+        summary = {"source": source, "step": step, "bytes": moved, "seconds": round(time.time() - start, 4),
+                   "transfers": len(plan.transfers), "reason": plan.reason or None}
+        self._event(trainer, told, "state_restored", **summary)
+        resumed = {"step": step, "samples_consumed": trainer.progress.samples_consumed, "world_size": len(infos),
+                   "recovery": "checkpointless" if plan.kind == "memory" else "checkpoint",
+                   "steps_lost": max(0, max(held) - step) if held else None}
+        if plan.kind == "disk" and trainer.resumed_from is not None:
+            resumed = {**trainer.resumed_from, **resumed}
+        self._event(trainer, told, "resumed", **resumed)
         try:
             self.membership.report_recovered(self.generation, {**summary, "generation": self.generation,
                                                                "fault": first["what"], "events": told})

@@ -37,7 +37,7 @@ from phalanx.parallel import (
     materialize,
     random_init_source,
 )
-from phalanx.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from phalanx.train.checkpoint import CheckpointManager, rng_state, set_rng_state, step_dir
 from phalanx.train.config import ConfigError, TrainConfig
 from phalanx.train.metrics import MetricsWriter
 from phalanx.train.optim import build_optimizer, build_scheduler
@@ -47,15 +47,20 @@ log = logging.getLogger(__name__)
 
 def resolve_model_config(config: TrainConfig) -> ModelConfig:
     if config.model.hf_path is not None:
-        from phalanx.models.hf import HFCheckpoint
+        from phalanx.models.hf import HFCheckpoint, HFFormatError
 
-        base = HFCheckpoint(config.model.hf_path).config
+        try:
+            base = HFCheckpoint(config.model.hf_path).config
+        except HFFormatError as err:
+            raise ConfigError(f"model.hf_path={str(config.model.hf_path)!r}: {err}") from None
     else:
         base = get_preset(config.model.preset)
     try:
         return base.with_overrides(**config.model.overrides)
     except TypeError as err:
         raise ConfigError(f"model.overrides: {err}; valid keys: {sorted(base.to_dict())}") from None
+    except ValueError as err:  # a combination the model cannot be built with (ModelConfig names the fields)
+        raise ConfigError(f"model.overrides: {err}") from None
 
 
 def parallel_dims(config: TrainConfig, world_size: int, model_config: ModelConfig) -> ParallelDims:
@@ -142,6 +147,7 @@ class Trainer:
         self.sharded_params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.scheduler = build_scheduler(self.optimizer, config)
         self.progress = Progress()
+        self.resumed_from: dict | None = None  # what `maybe_resume` loaded (step, world sizes, seconds)
         self._saved_step: int | None = None
         self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps)
         self.checkpoints = CheckpointManager(
@@ -150,6 +156,7 @@ class Trainer:
             async_save=config.checkpoint.async_save,
             verify_checksums=config.checkpoint.verify_checksums,
             on_commit=self._checkpoint_committed,
+            metadata={"model": self.model_config.to_dict()},
         )
 
     # ---- build ----------------------------------------------------------------------------------
@@ -215,7 +222,9 @@ class Trainer:
         self.metrics.event("checkpoint_saved", step=step, seconds=round(seconds, 3),
                            dir=str(self.config.checkpoint_dir), **extra)
 
-    def maybe_resume(self) -> bool:
+    def maybe_resume(self, announce: bool = True) -> bool:
+        """Load the newest valid checkpoint, if any; `announce`: write the `resumed` event (checkpointless
+        recovery writes its own, after its `state_restored`)."""
         if not self.config.checkpoint.resume:
             return False
         step, skipped = self.checkpoints.latest_valid_step()
@@ -223,6 +232,7 @@ class Trainer:
             self.metrics.event("checkpoint_skipped", step=bad_step, reason=problem)
         if step is None:
             return False
+        self.check_checkpoint_model(step)
         start = time.perf_counter()
         state = self._state()
         # World size first: per-rank RNG streams exist only for the ranks the saving run had.
@@ -239,15 +249,30 @@ class Trainer:
         self.scheduler.load_state_dict({**train["lr_scheduler"], "lr_lambdas": lambdas})
         if f"rng/rank{self.rank}" in state:
             set_rng_state(state[f"rng/rank{self.rank}"])
-        self.metrics.event(
-            "resumed",
-            step=self.progress.step,
-            samples_consumed=self.progress.samples_consumed,
-            from_world_size=saved_world,
-            world_size=self.world_size,
-            seconds=round(time.perf_counter() - start, 3),
-        )
+        self.resumed_from = {"step": self.progress.step, "samples_consumed": self.progress.samples_consumed,
+                             "from_world_size": saved_world, "world_size": self.world_size,
+                             "seconds": round(time.perf_counter() - start, 3)}
+        if announce:
+            self.metrics.event("resumed", **self.resumed_from)
         return True
+
+    def check_checkpoint_model(self, step: int) -> None:
+        """Refuse (ConfigError, on every rank alike) a checkpoint recorded for another model. Parallel degrees
+        and world size may differ (the checkpoint reshards); a checkpoint without a recorded model config
+        (written before Phalanx recorded it) is not checked."""
+        recorded = self.checkpoints.metadata_of(step).get("model")
+        if not isinstance(recorded, dict):
+            return
+        diffs = self.model_config.differences(recorded)
+        if diffs:
+            where = "checkpoint.dir" if self.config.checkpoint.dir is not None else "run_dir"
+            shown = ", ".join(f"{name} {theirs} (checkpoint) vs {ours} (this run)"
+                              for name, (theirs, ours) in diffs.items())
+            raise ConfigError(
+                f"checkpoint {step_dir(self.config.checkpoint_dir, step)} was written for a different model: "
+                f"{shown}; resume with the same model settings (model.preset / model.hf_path / "
+                f"model.overrides), or point {where} elsewhere to start a new run"
+            )
 
     # ---- the step -------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -309,9 +334,9 @@ class Trainer:
         return torch.cat([torch.stack([b.tokens_per_expert for b in self.moe_blocks]).sum(0),
                           torch.stack([b.dropped_pairs for b in self.moe_blocks]).sum().reshape(1)]).double()
 
-    def start(self) -> None:
+    def start(self, announce: bool = True) -> None:
         """Resume from the newest valid checkpoint, or record a fresh start."""
-        if self.maybe_resume():
+        if self.maybe_resume(announce):
             self._saved_step = self.progress.step
         else:
             self.metrics.event(

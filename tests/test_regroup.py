@@ -1,0 +1,292 @@
+"""The regroup after a fault, piece by piece (the end-to-end drills are in test_checkpointless.py):
+
+- a process-group rendezvous whose peer never comes is abandoned as soon as a newer generation is published
+  (and bounded otherwise), instead of blocking for the process-group timeout;
+- exactly one process holds a rank in a generation;
+- a generation that failed half-way through building its groups leaves no stale group counter behind;
+- a fault during the recovery from another keeps the step of the state the rank holds (no negative steps);
+- the agent adopts a standby that a failed generation activated as that slot's survivor, instead of starting
+  a second process for the same rank, and keeps standbys while its job is between generations;
+- the controller stops recovering in place after repeated regroups that never restored, and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from phalanx.control import seam
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the rendezvous store ------------------------------------------------------------------------------------
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from phalanx.resilience.membership import Superseded
+    from phalanx.resilience.regroup_store import RegroupStore
+    from phalanx.process import exit_without_teardown
+
+    port, rank, world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    tcp = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    newer = lambda: int(tcp.get("newest")) if tcp.check(["newest"]) else 0
+    store = RegroupStore(dist.PrefixStore("gen1", tcp), newer=newer, superseded=lambda g: Superseded(1, g),
+                         timeout_s=float(sys.argv[4]))
+    try:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        out = {"result": "formed"}
+    except Superseded as err:
+        out = {"result": "superseded", "newer": err.newer}
+    except TimeoutError as err:
+        out = {"result": "timeout", "error": str(err)}
+    print(json.dumps(out), flush=True)
+    exit_without_teardown(0)
+""")
+
+
+def _ranks(port: int, world: int, present: list[int], timeout_s: float) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(port), str(r), str(world), str(timeout_s)],
+                             stdout=subprocess.PIPE, text=True, env={"GLOO_SOCKET_IFNAME": "lo", "PATH": "/usr/bin",
+                                                                     "OMP_NUM_THREADS": "1",
+                                                                     "PYTHONPATH": str(ROOT / "src")})
+            for r in present]
+
+
+def test_a_rendezvous_missing_a_peer_is_abandoned_when_a_newer_generation_appears():
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs = _ranks(port, 3, [0, 1], timeout_s=300)  # rank 2 "died after it arrived": never comes
+    time.sleep(3)  # both wait inside init_process_group (gloo's rendezvous) for rank 2
+    assert all(p.poll() is None for p in procs), "the group cannot form without rank 2"
+    server.set("newest", "2")
+    outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert outs == [{"result": "superseded", "newer": 2}] * 2, outs
+
+
+def test_a_rendezvous_missing_a_peer_is_bounded_by_the_regroup_timeout():
+    port = _free_port()
+    _server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    (proc,) = _ranks(port, 2, [0], timeout_s=2)  # the process-group timeout is 600 s
+    out = json.loads(proc.communicate(timeout=60)[0])
+    assert out["result"] == "timeout" and "within 2 s" in out["error"], out
+
+
+MEMBER_SCRIPT = textwrap.dedent("""
+    import gc, json, sys
+    import torch, torch.distributed as dist
+    from phalanx.resilience.membership import Membership
+    from phalanx.process import exit_without_teardown
+
+    def join(port, node):  # the store is built in here: nothing in this frame outlives the call
+        m = Membership(f"127.0.0.1:{port}", "7", node, 0, token="tok")
+        p = m.placement(1)
+        m.arrive(p, 60)
+        m.init_process_group(p, "gloo", 600, 60)
+        return m
+
+    membership = join(int(sys.argv[1]), sys.argv[2])
+    gc.collect()
+    group = dist.new_group([0, 1])  # the device mesh's groups rendezvous on the same store, later
+    x = torch.ones(2)
+    dist.all_reduce(x, group=group)
+    print(json.dumps({"sum": x.tolist()}), flush=True)
+    dist.destroy_process_group()
+    exit_without_teardown(0)
+""")
+
+
+def test_a_generation_forms_its_groups_through_membership_when_everyone_comes():
+    port = _free_port()
+    server = seam.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    seam.publish_generation(server, "7", 1, ["n0", "n1"], 1)
+    env = {"GLOO_SOCKET_IFNAME": "lo", "PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    procs = [subprocess.Popen([sys.executable, "-c", MEMBER_SCRIPT, str(port), node], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for node in ("n0", "n1")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [json.loads(o or "{}") for o, _ in outs] == [{"sum": [2.0, 2.0]}] * 2, [e[-2000:] for _, e in outs]
+
+
+# ---- one process per rank ---------------------------------------------------------------------------------------
+def test_exactly_one_process_holds_a_rank_in_a_generation():
+    from phalanx.resilience.membership import Membership, RankTaken
+
+    port = _free_port()
+    server = seam.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    seam.publish_generation(server, "7", 3, ["n0", "n1"], 1)
+    first = Membership(f"127.0.0.1:{port}", "7", "n1", 0, token="tok")
+    second = Membership(f"127.0.0.1:{port}", "7", "n1", 0, token="tok")  # a stale standby on the same slot
+    other = Membership(f"127.0.0.1:{port}", "7", "n0", 0, token="tok")
+    assert first.identity != second.identity
+    placement = first.placement(3)
+    with pytest.raises(TimeoutError):  # claimed and counted; rank 0 has not come yet
+        first.arrive(placement, timeout_s=0.2)
+    with pytest.raises(RankTaken, match="rank 1 of generation 3 is already held"):
+        second.arrive(second.placement(3), timeout_s=5)
+    other.arrive(other.placement(3), timeout_s=5)  # both ranks counted: the duplicate was not
+    assert server.add(seam.joined_key("7", 3), 0) == 2
+    first.arrive(placement, timeout_s=0.1)  # a rank arriving again after a timeout keeps its claim
+
+
+def test_a_failed_group_creation_leaves_no_group_counter_behind():
+    from phalanx.resilience.run import release_process_groups
+
+    dist.distributed_c10d._world.group_count = 3  # as a generation that failed inside build_mesh leaves it
+    release_process_groups()
+    assert not dist.is_initialized() and dist.distributed_c10d._world.group_count == 0
+
+
+# ---- the step a fault is counted from ------------------------------------------------------------------------------
+def _run_at(generation: int, trainer=None, carried=None):
+    from phalanx.resilience.run import CheckpointlessRun
+
+    run = CheckpointlessRun.__new__(CheckpointlessRun)
+    left = []
+    run.generation, run.fault, run.trainer, run.carried, run.snapshots = generation, None, trainer, carried, None
+    run.membership = SimpleNamespace(unwatch=lambda: None, report_left=left.append)
+    run.shelf = SimpleNamespace(freeze=lambda: None)
+    return run, left
+
+
+def test_a_fault_during_recovery_keeps_the_step_of_the_first(monkeypatch):
+    import phalanx.resilience.run as run_mod
+
+    monkeypatch.setattr(run_mod, "release_process_groups", lambda marks=None: None)
+    captured = SimpleNamespace(step=20)
+    monkeypatch.setattr(run_mod.ShardState, "capture", staticmethod(lambda trainer: captured))
+    trainer = SimpleNamespace(ready=True, progress=SimpleNamespace(step=20), abandon=lambda: None)
+    run, left = _run_at(1, trainer)
+    run.leave_generation("peer died")  # generation 1 ends at step 20
+    assert (run.fault.generation, run.fault.step, run.fault.again) == (1, 20, 0) and run.carried is captured
+
+    # generation 2 fails while it regroups: its trainer was built but never restored (step 0)
+    run.generation, run.trainer = 2, SimpleNamespace(ready=False, progress=SimpleNamespace(step=0),
+                                                     abandon=lambda: None)
+    run.leave_generation("second peer died")
+    assert (run.fault.generation, run.fault.step, run.fault.again) == (1, 20, 1), run.fault
+    assert left == [1, 2]
+
+    # generation 3 restored and trained to step 25, then failed: a new fault, from step 25
+    run.generation, run.trainer = 3, SimpleNamespace(ready=True, progress=SimpleNamespace(step=25),
+                                                     abandon=lambda: None)
+    run.leave_generation("third")
+    assert (run.fault.generation, run.fault.step, run.fault.again) == (3, 25, 0)
+
+
+# ---- the agent: a standby activated by a failed generation --------------------------------------------------------
+def _supervisor(tmp_path):
+    from phalanx.control.workers import WorkerSupervisor
+
+    return WorkerSupervisor("n1", "tok", 60.0, wake=lambda: None, work_dir=None)
+
+
+def _assignment(tmp_path, generation: int, **rank) -> dict:
+    return {"job": "7", "generation": generation, "recovery": seam.CHECKPOINTLESS, "argv": ["false"],
+            "cwd": str(tmp_path), "env": {}, "log_dir": str(tmp_path / "logs"), "world_size": 2,
+            "local_world_size": 1, "master_addr": "127.0.0.1", "master_port": 1, "store_addr": "",
+            "checkpoint_dir": str(tmp_path), "ranks": [{"rank": 1, "local_rank": 0, **rank}]}
+
+
+def test_the_agent_adopts_a_standby_a_failed_generation_activated_as_the_survivor(tmp_path):
+    from phalanx.control.workers import Standby
+
+    sup = _supervisor(tmp_path)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        sup.standbys[0] = Standby("sb-1", 0, proc)
+        # generation 2 activated the standby and failed before this agent heard of it; the controller's hold
+        sup.apply([{"job": "7", "generation": 2, "hold": True, "ranks": []}], relay_gap=False, standby=0)
+        assert 0 in sup.standbys and proc.poll() is None, "a held job's node keeps its standbys"
+        # generation 3 counts on the slot's survivor: the activated standby
+        sup.apply([_assignment(tmp_path, 3, standby="sb-1", carry=True)], relay_gap=False, standby=0)
+        (w,) = sup.workers.values()
+        assert (w.pid, w.generation, w.state) == (proc.pid, 3, "running") and not sup.standbys
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_activated_standby_that_died_is_reported_as_the_generations_fault(tmp_path):
+    from phalanx.control.workers import Standby
+
+    sup = _supervisor(tmp_path)
+    proc = subprocess.Popen(["sh", "-c", "kill -9 $$"])
+    proc.wait()
+    sup.standbys[0] = Standby("sb-1", 0, proc)
+    sup.apply([_assignment(tmp_path, 3, standby="sb-1", carry=True)], relay_gap=False, standby=0)
+    (w,) = sup.workers.values()
+    assert (w.pid, w.state, w.exit_code) == (proc.pid, "exited", -9), w
+    (report,) = sup.report()
+    assert report["generation"] == 3 and report["exit_code"] == -9 and not report["stopped"]
+
+
+# ---- the controller: no endless in-place loop ---------------------------------------------------------------------
+def test_repeated_failed_regroups_end_in_a_restart_not_a_loop(tmp_path):
+    from phalanx.control.inplace import MAX_FAILED_REGROUPS, InPlaceRecovery
+    from phalanx.control.jobstate import JobRecords
+    from phalanx.control.store import Store
+
+    from phalanx.control.store import SCHEMA
+
+    store = Store(tmp_path / "state.db")
+    store._db.executescript(SCHEMA)  # the tables only (no cluster row: the policy reads jobs and generations)
+    records = JobRecords(store)
+    job = records.add_job(name="j", kind="train", group="workers", nodes=2, workers_per_node=1, argv=[],
+                          cwd=str(tmp_path), env={}, config=None, jobs_root=str(tmp_path), checkpoint_dir=None,
+                          auto_resume=True, max_retries=0, recovery=seam.CHECKPOINTLESS)
+    policy = InPlaceRecovery(store, records, spec=None)
+    records.add_generation(job.id, 1, ["a", "b"], "127.0.0.1", 1, None)
+    records.update_generation(job.id, 1, outcome="node-fault", standbys={})
+    for g in range(2, 2 + MAX_FAILED_REGROUPS):
+        gen = records.add_generation(job.id, g, ["a", "c"], "127.0.0.1", 1, None)
+        looping = policy.regroup_failing(job, gen)
+        if g < 1 + MAX_FAILED_REGROUPS:
+            assert looping is None, (g, looping)
+            records.update_generation(job.id, g, outcome="node-fault")
+    assert looping is not None and looping["kind"] == "regroup-failed", looping
+    assert f"{MAX_FAILED_REGROUPS} in-place recoveries in a row" in looping["detail"]
+    # one that restored resets the count
+    records.update_generation(job.id, 1 + MAX_FAILED_REGROUPS, restored={"source": "peer-memory"})
+    assert policy.regroup_failing(job, records.generation(job.id, 1 + MAX_FAILED_REGROUPS)) is None
+    store.close()
+
+
+def test_carried_standbys_name_the_standby_an_earlier_generation_activated(tmp_path):
+    from phalanx.control.inplace import InPlaceRecovery
+    from phalanx.control.jobstate import JobRecords
+    from phalanx.control.store import Store
+
+    from phalanx.control.store import SCHEMA
+
+    store = Store(tmp_path / "state.db")
+    store._db.executescript(SCHEMA)  # the tables only (no cluster row: the policy reads jobs and generations)
+    records = JobRecords(store)
+    job = records.add_job(name="j", kind="train", group="workers", nodes=2, workers_per_node=1, argv=[],
+                          cwd=str(tmp_path), env={}, config=None, jobs_root=str(tmp_path), checkpoint_dir=None,
+                          auto_resume=True, max_retries=0, recovery=seam.CHECKPOINTLESS)
+    policy = InPlaceRecovery(store, records, spec=None)
+    records.add_generation(job.id, 1, ["a", "b"], "127.0.0.1", 1, None)
+    records.update_generation(job.id, 1, outcome="node-fault")
+    records.add_generation(job.id, 2, ["a", "s"], "127.0.0.1", 1, None)  # s's standby sb-9 took rank 1
+    records.update_generation(job.id, 2, outcome="node-fault", standbys={"1": "sb-9"})
+    gen3 = records.add_generation(job.id, 3, ["t", "s"], "127.0.0.1", 1, None)  # a died now
+    assert policy.carried_standbys(job, gen3) == {("s", 0): "sb-9"}
+    assert ("s", 0) in policy.survivor_slots(job, gen3)
+    store.close()
