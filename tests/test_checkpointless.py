@@ -12,6 +12,8 @@ The failure-free reference is the same config trained by `phalanx train --nproc 
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +218,51 @@ def test_a_second_fault_while_regrouping_ends_in_a_correct_continuation(tmp_path
     events = assert_same_losses(run_dir, reference["fsdp"])
     sources = [e["source"] for e in events if e["event"] == "state_restored"]
     assert sources and set(sources) <= {"buddy-snapshot", "checkpoint"}, sources
+
+
+def assert_recovery_ledger(events: list[dict], where: str) -> None:
+    """Every recovery in metrics.jsonl reads in order — fault_detected, generation, pg_rebuilt,
+    state_restored, resumed — with no negative step, and resumes no later than the step its fault held."""
+    kinds = [e["event"] for e in events if e["event"] in ("fault_detected", "generation", "pg_rebuilt",
+                                                          "state_restored", "resumed")]
+    order = ["fault_detected", "generation", "pg_rebuilt", "state_restored", "resumed"]
+    recoveries = [kinds[i:i + 5] for i in range(0, len(kinds), 5)]
+    assert recoveries and all(r == order for r in recoveries), (where, kinds)
+    for fault, resumed in zip([e for e in events if e["event"] == "fault_detected"],
+                              [e for e in events if e["event"] == "resumed"]):
+        assert fault["step"] is not None and fault["step"] >= resumed["step"] >= 0, (where, fault, resumed)
+        assert resumed["steps_lost"] == fault["step"] - resumed["step"] >= 0, (where, fault, resumed)
+
+
+@pytest.mark.parametrize("second", ["0.3 s later", "as the replacement joins"])
+def test_a_second_node_lost_during_recovery_ends_in_a_recovered_job(tmp_path, home, demo_data, reference, second):
+    """The reliability issue's hang: kill a node, then another during the recovery (0.3 s later, or the moment
+    the controller publishes the generation the first spare's standby joins). Rank 1 and rank 2 hold
+    different shards, so the other replica still has every committed step: the job ends bit-exact with nothing
+    redone — never a survivor stuck in the old generation's group creation, never two processes as one rank."""
+    create_cluster(write_spec(tmp_path, count=4, spares=2, warm_standby=True), timeout_s=120)
+    jobs, client = JobClient("c1"), ClusterClient("c1")
+    run_dir = tmp_path / "run"
+    submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP, max_steps=2 * STEPS), "two")
+    step_at_least(jobs, "two", 14)
+    nodes = jobs.describe("two")["generations"][0]["nodes"]
+    client.inject_fault(nodes[1], "kill-node")
+    if second == "0.3 s later":
+        time.sleep(0.3)
+    else:
+        wait_for(lambda: len(jobs.describe("two")["generations"]) >= 2, 60, "generation 2")
+    client.inject_fault(nodes[2], "kill-node")
+    info = jobs.wait("two", timeout_s=300)
+
+    assert info["state"] == "succeeded" and info["last_step"] == 2 * STEPS, info["reason"]
+    outcomes = [g["outcome"] for g in info["generations"]]
+    assert outcomes[-1] == "succeeded" and "regroup-failed" not in outcomes, outcomes
+    assert all(o == "node-fault" for o in outcomes[:-1]), outcomes
+    events = assert_same_losses(run_dir, reference["hsdp"], second)
+    assert_recovery_ledger(events, second)
+    assert all(e["steps_lost"] == 0 for e in events if e["event"] == "resumed"), events
+    redone = [int(m.group(1)) for e in info["events"] if (m := re.search(r"(-?\d+) committed step", e["reason"]))]
+    assert redone and all(n == 0 for n in redone), redone  # the controller's `resumed` lines
 
 
 # ---- no process dies: a collective broken by the network -------------------------------------------------------

@@ -21,6 +21,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from phalanx.control import seam
+
 
 def measure(size_mb: float, iters: int, timeout_s: float) -> dict:
     import torch
@@ -33,7 +35,14 @@ def measure(size_mb: float, iters: int, timeout_s: float) -> dict:
     else:
         device = torch.device("cpu")
     backend = "nccl" if gpu else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    # rank 0 serves the rendezvous on MASTER_ADDR only (env://'s would listen on every interface)
+    store = seam.env_rendezvous_store(os.environ, timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     try:
         n = dist.get_world_size()
         numel = max(1, int(size_mb * 2**20) // 4)
