@@ -324,7 +324,7 @@ def test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_
     # an application-level GPU XID (13) on a node: the node stays, the job restarts on the same nodes (not a
     # retry); without --auto-resume it fails. XID 79 (hardware) replaces the node: test_control
     code, out = cli("fault", "inject", "--node", "workers-0", "--kind", "gpu-xid")
-    assert code != 0 and "xid is required with kind gpu-xid" in flat(out), out
+    assert code == 2 and "--xid is required with --kind gpu-xid" in flat(out), out
     resumable = jobs.submit(command=sleeper(120), nodes=2, auto_resume=True)
     first = running_workers(jobs, resumable["id"], 1, 2)
     code, out = cli("fault", "inject", "--node", "workers-0", "--kind", "gpu-xid", "--xid", "13")

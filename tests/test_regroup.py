@@ -290,3 +290,17 @@ def test_carried_standbys_name_the_standby_an_earlier_generation_activated(tmp_p
     assert policy.carried_standbys(job, gen3) == {("s", 0): "sb-9"}
     assert ("s", 0) in policy.survivor_slots(job, gen3)
     store.close()
+
+
+def test_a_left_generation_the_controller_missed_is_told_once_its_store_is_back():
+    """A rank that left a generation while the controller restarted (its store unreachable) tells the new
+    store, or the controller would never regroup the job (the `stranded` rule reads that count)."""
+    from phalanx.resilience.membership import Membership
+
+    port = _free_port()
+    server = seam.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    m = Membership(f"127.0.0.1:{port}", "7", "n1", 0, token="tok")
+    m.left_untold = 2  # as leave_generation records it when report_left failed
+    seam.publish_generation(server, "7", 3, ["n0", "n1"], 1)
+    assert m.wait_for_newer(2, timeout_s=5) == 3
+    assert server.add(seam.left_key("7", 2), 0) == 1 and m.left_untold is None

@@ -68,6 +68,7 @@ class Membership:
         self.timeout = timedelta(seconds=timeout_s)
         self.store = self._connect()
         self.superseded = threading.Event()
+        self.left_untold: int | None = None  # a generation this rank left while the store was unreachable
         self.regroup_store: RegroupStore | None = None  # the current generation's (see init_process_group)
         self.identity = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"  # claims ranks (`arrive`)
         self._watching: int | None = None
@@ -109,6 +110,11 @@ class Membership:
 
     def _latest_reconnecting(self) -> int:
         try:
+            if self.left_untold is not None:  # a restarted controller's store is new: it must hear it now
+                self.report_left(self.left_untold)
+                log.info("told the controller (its store is back) that this rank left generation %d",
+                         self.left_untold)
+                self.left_untold = None
             return self.latest()
         except (RuntimeError, OSError):  # the controller restarts: its store comes back on the same port
             time.sleep(0.5)

@@ -239,8 +239,10 @@ class CheckpointlessRun:
         self.membership.unwatch()
         try:
             self.membership.report_left(self.generation)
-        except (RuntimeError, OSError) as err:  # the controller restarts: its next generation still comes
-            log.warning("could not tell the controller this rank left generation %d (%s)", self.generation, err)
+        except (RuntimeError, OSError) as err:  # the controller restarts: told once its store is back
+            self.membership.left_untold = self.generation
+            log.warning("could not tell the controller this rank left generation %d (%s); next: tell it once its "
+                        "store is back", self.generation, err)
         self.shelf.freeze()  # a snapshot exchange still running must not change what we report
         if self.trainer is not None and self.trainer.ready:
             self.carried = ShardState.capture(self.trainer)
