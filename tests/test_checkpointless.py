@@ -176,6 +176,7 @@ MOMENTS = [  # (layout, drill): rank 1 or 2 dies there; each must continue exact
     ("hsdp", {"rank": 1, "step": 17, "at": "forward"}),
     ("fsdp", {"rank": 2, "step": 17, "at": "backward"}),
     ("hsdp", {"rank": 2, "step": 17, "at": "optimizer"}),
+    ("hsdp", {"rank": 0, "step": 17, "at": "optimizer"}),  # the metrics writer dies before logging step 17
     ("fsdp", {"rank": 1, "step": 20, "at": "checkpoint"}),
 ]
 
@@ -184,8 +185,8 @@ def test_a_worker_dying_at_any_moment_of_a_step_continues_exactly(tmp_path, home
     create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True), timeout_s=90)
     jobs = JobClient("c1")
     for i, (layout, drill) in enumerate(MOMENTS):
-        run_dir = tmp_path / f"run-{drill['at']}"
-        name = f"drill-{drill['at']}"
+        run_dir = tmp_path / f"run-{i}-{drill['at']}"
+        name = f"drill-{i}-{drill['at']}"
         submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP if layout == "hsdp" else FSDP, drill), name)
         info = jobs.wait(name, timeout_s=180)
         where = f"{layout}, rank {drill['rank']} killed during {drill['at']} of step {drill['step']}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import logging
 import os
 import time
@@ -151,6 +152,25 @@ def _clear_dtensor_caches() -> None:
         _redistribute.clear_redistribute_planner_cache()
 
 
+def last_logged_step(path) -> int | None:
+    """The step of the last step record in a metrics.jsonl (its tail is read), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (1 << 16)))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a rank killed mid-write, or the tail's first, partial line
+        if isinstance(record, dict) and "event" not in record and "step" in record:
+            return record["step"]
+    return None
+
+
 @dataclass
 class Fault:
     """The fault this rank is recovering from: where it was (generation, step of the state it holds) and
@@ -176,6 +196,7 @@ class CheckpointlessRun:
         self.reporter = progress_reporter(env)
         self.shelf = SnapshotShelf()
         self.carried: ShardState | None = None
+        self.last_record: dict | None = None  # the newest step this rank completed (its metrics record)
         self.fault: Fault | None = None
         self.trainer = None
         self.snapshots: BuddySnapshots | None = None
@@ -246,6 +267,7 @@ class CheckpointlessRun:
         self.shelf.freeze()  # a snapshot exchange still running must not change what we report
         if self.trainer is not None and self.trainer.ready:
             self.carried = ShardState.capture(self.trainer)
+            self.last_record = self.trainer.last_record or self.last_record
         self.marks["captured"] = time.time()
         if self.snapshots is not None:
             self.snapshots.release()
@@ -315,6 +337,7 @@ class CheckpointlessRun:
             copies.append(copy)
         info = {"holding": Holding(placement.rank, coord, signature, tuple(copies)), "rank": placement.rank,
                 "node": self.membership.node, "marks": self.marks, "process_started_at": self.process_started_at,
+                "record": self.last_record,
                 "fault": self.fault.__dict__ if self.fault is not None else None}
         infos: list = [None] * placement.world_size
         dist.all_gather_object(infos, info)
@@ -363,6 +386,13 @@ class CheckpointlessRun:
         if dist.get_rank() != 0 or not faults:
             return None
         told: list[dict] = []
+        # the newest step a survivor completed may never have been logged (the old rank 0 died between its
+        # optimizer update and its metrics line): every rank holds the step's reduced record, so log it here
+        done = [i["record"] for i in infos if i.get("record")]
+        newest = max(done, key=lambda r: r["step"], default=None)
+        logged = last_logged_step(trainer.metrics.path)
+        if newest is not None and (logged is None or newest["step"] > logged):
+            trainer.metrics.step({**newest, "logged_after_fault": True}, print_line=False)
         first = min(faults, key=lambda f: f["at"])
         t0 = first["at"]
         fresh = [i["rank"] for i in infos if i["fault"] is None]

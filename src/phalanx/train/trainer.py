@@ -148,6 +148,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, config)
         self.progress = Progress()
         self.resumed_from: dict | None = None  # what `maybe_resume` loaded (step, world sizes, seconds)
+        self.last_record: dict | None = None  # the newest step's record (every rank has it: the loss is reduced)
         self._saved_step: int | None = None
         self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps)
         self.checkpoints = CheckpointManager(
@@ -355,7 +356,7 @@ class Trainer:
     def advance(self) -> dict:
         """One step, logged, and checkpointed every `checkpoint.interval` steps and at the last one."""
         cfg = self.config
-        record = self.train_step()
+        record = self.last_record = self.train_step()
         step, interval, max_steps = record["step"], cfg.checkpoint.interval, cfg.training.max_steps
         self.metrics.step(record, print_line=step % cfg.training.log_interval == 0 or step == max_steps)
         if (interval and step % interval == 0) or step == max_steps:
