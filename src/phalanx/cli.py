@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from phalanx.control.cli import cluster_app, fault_app
 from phalanx.control.job_cli import job_app
@@ -37,7 +38,7 @@ def train(
         cfg = load_config(config, overrides or [])
         code = launch(cfg, nproc, threads_per_worker=threads)
     except (ConfigError, DataError, ParallelConfigError) as err:
-        err_console.print(f"[red]error:[/] {err}")
+        err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(2) from None
     if code == 0:
         _print_summary(cfg.run_dir)
@@ -48,7 +49,8 @@ def train(
 def export_hf_command(
     checkpoint: Path = typer.Argument(..., help="run dir, its checkpoints dir, or one step-NNNNNNNN dir"),
     out: Path = typer.Argument(..., help="new Hugging Face model directory"),
-    config: Optional[Path] = typer.Option(None, help="the run's config.json (found next to the run by default)"),
+    config: Optional[Path] = typer.Option(None, help="the run's config.json or YAML recipe (default: the model "
+                                          "config the checkpoint recorded, else config.json next to the run)"),
     bf16: bool = typer.Option(False, "--bf16", help="write bfloat16 weights"),
     overwrite: bool = typer.Option(False, help="replace an existing HF checkpoint at OUT"),
 ) -> None:
@@ -59,11 +61,14 @@ def export_hf_command(
     from phalanx.train.config import ConfigError
     from phalanx.train.export import export_hf
 
+    def warn(message: str) -> None:
+        err_console.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
     try:
         path = export_hf(checkpoint, out, config_path=config, dtype=torch.bfloat16 if bf16 else None,
-                         overwrite=overwrite)
+                         overwrite=overwrite, warn=warn)
     except (ConfigError, HFFormatError) as err:
-        err_console.print(f"[red]error:[/] {err}")
+        err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(2) from None
     Console().print(f"wrote {path}")
 
@@ -92,6 +97,77 @@ def demo(
     except (ConfigError, DataError, ClusterError, JobError, RuntimeError) as err:
         err_console.print(f"[red]error:[/] {err}")
         raise typer.Exit(1) from None
+
+
+@app.command()
+def chaos(
+    seed: int = typer.Option(0, "--seed", help="the plan's random seed (same seed, same trials)"),
+    trials: int = typer.Option(18, "--trials", min=1, help="trials to run (each: one job, its faults, the checks)"),
+    duration: Optional[float] = typer.Option(None, "--duration", help="stop starting trials after this many "
+                                             "seconds"),
+    recovery: str = typer.Option("both", "--recovery", help="checkpointless, restart or both"),
+    layouts: str = typer.Option("hsdp", "--layouts", help="checkpointless layouts, comma-separated: hsdp (2 "
+                                "replicas × 2 shards), fsdp (buddy snapshots)"),
+    ci: bool = typer.Option(False, "--ci", help="the fixed CI list instead of a drawn plan: every fault kind "
+                            "once, both modes, every phase"),
+    nodes: int = typer.Option(4, "--nodes", min=2, help="worker nodes (one rank each); the layouts need 4"),
+    spares: int = typer.Option(2, "--spares", min=2, help="spare nodes (two faults at once need two)"),
+    work_dir: Path = typer.Option(Path("runs/chaos"), "--work-dir", help="runs, evidence and the cluster's "
+                                  "state (its PHALANX_HOME)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the JSON report here"),
+    only: Optional[list[int]] = typer.Option(None, "--only", help="run only these trials of the plan (by number; "
+                                             "repeatable), e.g. to reproduce a failure"),
+) -> None:
+    """Inject faults (kind × phase × recovery mode, seeded) into training jobs on a local cluster and check the
+    invariants after each: finished, same losses as a failure-free run, steps lost within the mode's bound,
+    nothing leaked, consistent events. Exit 1 if any invariant failed."""
+    import json
+
+    from rich.markup import escape
+
+    from phalanx.chaos import JobShape, Settings, SoakError, ci_plan, make_plan, run_soak
+    from phalanx.chaos.report import row, summary_line, trials_table
+    from phalanx.control.cluster import ClusterError
+    from phalanx.control.jobs import JobError
+
+    from phalanx.control.cli import WideConsole
+
+    console = WideConsole(highlight=False)  # a piped or logged table keeps its width
+    modes = {"both": ("checkpointless", "restart"), "checkpointless": ("checkpointless",),
+             "restart": ("restart",)}.get(recovery)
+    chosen = tuple(x.strip() for x in layouts.split(",") if x.strip())
+    if modes is None or not chosen or any(x not in ("hsdp", "fsdp") for x in chosen):
+        err_console.print(f"[red]error:[/] --recovery {escape(recovery)} --layouts {escape(layouts)}: choose "
+                          f"checkpointless, restart or both; hsdp and/or fsdp")
+        raise typer.Exit(2)
+    if nodes != 4:
+        err_console.print("[red]error:[/] --nodes: the trials' layouts (2 × 2 HSDP, FSDP 4) need 4 nodes")
+        raise typer.Exit(2)
+    shape = JobShape(world=nodes)
+    plan = ci_plan(shape) if ci else make_plan(seed, trials if duration is None else max(trials, 1000),
+                                               modes=modes, layouts=chosen, shape=shape)
+    if ci:
+        plan = [t for t in plan if t.mode in modes]
+    if only:
+        plan = [t for t in plan if t.index in set(only)]
+
+    def on_trial(result: dict) -> None:
+        console.print(" | ".join(row(result)))
+
+    try:
+        report = run_soak(plan, work_dir, Settings(nodes=nodes, spares=spares, shape=shape),
+                          seed=None if ci else seed, home=work_dir / "home", duration_s=duration,
+                          say=lambda m: console.print(f"[dim]{escape(m)}[/]"), on_trial=on_trial)
+    except (SoakError, ClusterError, JobError) as err:
+        err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(trials_table(report["trials"]))
+    console.print(summary_line(report))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        console.print(f"report: {out}")
+    raise typer.Exit(0 if report["summary"]["ok"] else 1)
 
 
 def _print_summary(run_dir: Path) -> None:

@@ -5,21 +5,65 @@ kills nothing: the rank's collective fails as a dropped connection would make it
 
 The drill is armed from `resilience.drill` in the training config and fires at most once, only in a process
 that started in the job's first generation (a replacement redoing the same step does not die again).
+
+It can also be armed from the `PHALANX_DRILL` environment variable (JSON: `rank`, `step`, `at`, and
+`action`: `kill` (the default) or `slow` with `seconds`), which a job's env reaches on every rank. `slow` kills
+nothing: the rank announces itself in its log (`=== phalanx drill: slow ... ===`) and sleeps there — a rank
+that is slow but alive, or a hold that lets `phalanx chaos` land an outside fault (a node killed, a health
+check failed, the controller restarted) exactly inside that moment.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
+import time
+from dataclasses import dataclass
+from typing import Mapping
 
 log = logging.getLogger("phalanx.drill")
+ENV_VAR = "PHALANX_DRILL"
+MOMENTS = ("forward", "backward", "optimizer", "checkpoint", "regroup", "network")
+ACTIONS = ("kill", "slow")
+
+
+@dataclass(frozen=True)
+class DrillSpec:
+    """What `PHALANX_DRILL` arms (the config's `resilience.drill` has the same `rank`, `step`, `at`)."""
+
+    rank: int
+    step: int = 1
+    at: str = "forward"
+    action: str = "kill"
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        if self.at not in MOMENTS or self.action not in ACTIONS or self.rank < 0 or self.step < 1 \
+                or self.seconds < 0:
+            raise ValueError(f"{ENV_VAR}: not a drill: {self}; at is one of {', '.join(MOMENTS)}, action one of "
+                             f"{', '.join(ACTIONS)}, rank >= 0, step >= 1, seconds >= 0")
+
+    def to_env(self) -> str:
+        return json.dumps({"rank": self.rank, "step": self.step, "at": self.at, "action": self.action,
+                           "seconds": self.seconds})
+
+
+def spec_from_env(env: Mapping[str, str]) -> DrillSpec | None:
+    text = env.get(ENV_VAR)
+    return DrillSpec(**json.loads(text)) if text else None
 
 
 def _die(what: str) -> None:
     print(f"=== phalanx drill: SIGKILL {what} ===", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _slow(what: str, seconds: float) -> None:
+    print(f"=== phalanx drill: slow rank: sleeping {seconds:g} s {what} ===", file=sys.stderr, flush=True)
+    time.sleep(seconds)
 
 
 def _fail_collective(what: str) -> None:
@@ -36,8 +80,13 @@ def _grad_hook(out, fire) -> None:
 
 
 class Drill:
-    def __init__(self, spec, rank: int, generation: int):
+    def __init__(self, spec, rank: int, generation: int, env: Mapping[str, str] | None = None):
+        """`spec`: the config's `resilience.drill`; when None, `PHALANX_DRILL` from `env` (os.environ)."""
+        if spec is None:
+            spec = spec_from_env(os.environ if env is None else env)
         self.spec = spec
+        self.action = getattr(spec, "action", "kill")
+        self.seconds = getattr(spec, "seconds", 0.0)
         self.armed = spec is not None and generation == 1 and rank == spec.rank
 
     def install(self, trainer) -> None:
@@ -52,6 +101,9 @@ class Drill:
         def fire(*_args, **_kwargs):
             if self.armed and now():
                 self.armed = False
+                if self.action == "slow":  # the hook returns None: the inputs and gradients stay as they are
+                    _slow(f"during {at} of step {step}", self.seconds)
+                    return
                 if at == "network":
                     _fail_collective(f"in the forward of step {step}")
                 _die(f"during {at} of step {step}")
@@ -76,4 +128,7 @@ class Drill:
         """Called by a survivor once it has joined a later generation's process group."""
         if self.armed and self.spec.at == "regroup":
             self.armed = False
+            if self.action == "slow":
+                _slow("while regrouping", self.seconds)
+                return
             _die("while regrouping")
