@@ -238,20 +238,25 @@ def test_an_activated_standby_that_died_is_reported_as_the_generations_fault(tmp
 
 
 # ---- the controller: no endless in-place loop ---------------------------------------------------------------------
-def test_repeated_failed_regroups_end_in_a_restart_not_a_loop(tmp_path):
-    from phalanx.control.inplace import MAX_FAILED_REGROUPS, InPlaceRecovery
+def _policy(tmp_path):
+    """A job's tables in SQLite (no cluster row: the policy reads jobs and generations) and its policy."""
+    from phalanx.control.inplace import InPlaceRecovery
     from phalanx.control.jobstate import JobRecords
-    from phalanx.control.store import Store
-
-    from phalanx.control.store import SCHEMA
+    from phalanx.control.store import SCHEMA, Store
 
     store = Store(tmp_path / "state.db")
-    store._db.executescript(SCHEMA)  # the tables only (no cluster row: the policy reads jobs and generations)
+    store._db.executescript(SCHEMA)
     records = JobRecords(store)
     job = records.add_job(name="j", kind="train", group="workers", nodes=2, workers_per_node=1, argv=[],
                           cwd=str(tmp_path), env={}, config=None, jobs_root=str(tmp_path), checkpoint_dir=None,
                           auto_resume=True, max_retries=0, recovery=seam.CHECKPOINTLESS)
-    policy = InPlaceRecovery(store, records, spec=None)
+    return store, records, job, InPlaceRecovery(store, records, spec=None)
+
+
+def test_repeated_failed_regroups_end_in_a_restart_not_a_loop(tmp_path):
+    from phalanx.control.inplace import MAX_FAILED_REGROUPS
+
+    store, records, job, policy = _policy(tmp_path)
     records.add_generation(job.id, 1, ["a", "b"], "127.0.0.1", 1, None)
     records.update_generation(job.id, 1, outcome="node-fault", standbys={})
     for g in range(2, 2 + MAX_FAILED_REGROUPS):
@@ -269,19 +274,7 @@ def test_repeated_failed_regroups_end_in_a_restart_not_a_loop(tmp_path):
 
 
 def test_carried_standbys_name_the_standby_an_earlier_generation_activated(tmp_path):
-    from phalanx.control.inplace import InPlaceRecovery
-    from phalanx.control.jobstate import JobRecords
-    from phalanx.control.store import Store
-
-    from phalanx.control.store import SCHEMA
-
-    store = Store(tmp_path / "state.db")
-    store._db.executescript(SCHEMA)  # the tables only (no cluster row: the policy reads jobs and generations)
-    records = JobRecords(store)
-    job = records.add_job(name="j", kind="train", group="workers", nodes=2, workers_per_node=1, argv=[],
-                          cwd=str(tmp_path), env={}, config=None, jobs_root=str(tmp_path), checkpoint_dir=None,
-                          auto_resume=True, max_retries=0, recovery=seam.CHECKPOINTLESS)
-    policy = InPlaceRecovery(store, records, spec=None)
+    store, records, job, policy = _policy(tmp_path)
     records.add_generation(job.id, 1, ["a", "b"], "127.0.0.1", 1, None)
     records.update_generation(job.id, 1, outcome="node-fault")
     records.add_generation(job.id, 2, ["a", "s"], "127.0.0.1", 1, None)  # s's standby sb-9 took rank 1
