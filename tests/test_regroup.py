@@ -160,6 +160,7 @@ def _run_at(generation: int, trainer=None, carried=None):
     run = CheckpointlessRun.__new__(CheckpointlessRun)
     left = []
     run.generation, run.fault, run.trainer, run.carried, run.snapshots = generation, None, trainer, carried, None
+    run.last_record = None
     run.membership = SimpleNamespace(unwatch=lambda: None, report_left=left.append)
     run.shelf = SimpleNamespace(freeze=lambda: None)
     return run, left
@@ -171,7 +172,8 @@ def test_a_fault_during_recovery_keeps_the_step_of_the_first(monkeypatch):
     monkeypatch.setattr(run_mod, "release_process_groups", lambda marks=None: None)
     captured = SimpleNamespace(step=20)
     monkeypatch.setattr(run_mod.ShardState, "capture", staticmethod(lambda trainer: captured))
-    trainer = SimpleNamespace(ready=True, progress=SimpleNamespace(step=20), abandon=lambda: None)
+    trainer = SimpleNamespace(ready=True, progress=SimpleNamespace(step=20), abandon=lambda: None,
+                              last_record={"step": 20, "loss": 1.0})
     run, left = _run_at(1, trainer)
     run.leave_generation("peer died")  # generation 1 ends at step 20
     assert (run.fault.generation, run.fault.step, run.fault.again) == (1, 20, 0) and run.carried is captured
@@ -181,11 +183,11 @@ def test_a_fault_during_recovery_keeps_the_step_of_the_first(monkeypatch):
                                                      abandon=lambda: None)
     run.leave_generation("second peer died")
     assert (run.fault.generation, run.fault.step, run.fault.again) == (1, 20, 1), run.fault
-    assert left == [1, 2]
+    assert left == [1, 2] and run.last_record["step"] == 20, "the newest completed step's record is kept"
 
     # generation 3 restored and trained to step 25, then failed: a new fault, from step 25
     run.generation, run.trainer = 3, SimpleNamespace(ready=True, progress=SimpleNamespace(step=25),
-                                                     abandon=lambda: None)
+                                                     abandon=lambda: None, last_record={"step": 25, "loss": 0.5})
     run.leave_generation("third")
     assert (run.fault.generation, run.fault.step, run.fault.again) == (3, 25, 0)
 
