@@ -61,6 +61,8 @@ def test_a_trial_refuses_ranks_that_collide_or_fields_of_another_kind():
         Trial(1, "kill-node", "regroup", "restart", rank=1, step=5)
     with pytest.raises(ValueError):
         Trial(1, "meteor", "forward", "restart", rank=1, step=5)
+    with pytest.raises(ValueError):
+        JobShape(world=3)  # HSDP needs 2 replicas of at least 2 shards
 
 
 def test_the_steps_a_recovery_may_redo_follow_from_the_ranks_lost():

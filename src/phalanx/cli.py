@@ -110,7 +110,8 @@ def chaos(
                                 "replicas × 2 shards), fsdp (buddy snapshots)"),
     ci: bool = typer.Option(False, "--ci", help="the fixed CI list instead of a drawn plan: every fault kind "
                             "once, both modes, every phase"),
-    nodes: int = typer.Option(4, "--nodes", min=2, help="worker nodes (one rank each); the layouts need 4"),
+    nodes: int = typer.Option(4, "--nodes", min=4, help="worker nodes, one rank each (even: HSDP is 2 replicas × "
+                              "nodes/2 shards)"),
     spares: int = typer.Option(2, "--spares", min=2, help="spare nodes (two faults at once need two)"),
     work_dir: Path = typer.Option(Path("runs/chaos"), "--work-dir", help="runs, evidence and the cluster's "
                                   "state (its PHALANX_HOME)"),
@@ -127,10 +128,9 @@ def chaos(
 
     from phalanx.chaos import JobShape, Settings, SoakError, ci_plan, make_plan, run_soak
     from phalanx.chaos.report import row, summary_line, trials_table
+    from phalanx.control.cli import WideConsole
     from phalanx.control.cluster import ClusterError
     from phalanx.control.jobs import JobError
-
-    from phalanx.control.cli import WideConsole
 
     console = WideConsole(highlight=False)  # a piped or logged table keeps its width
     modes = {"both": ("checkpointless", "restart"), "checkpointless": ("checkpointless",),
@@ -140,8 +140,8 @@ def chaos(
         err_console.print(f"[red]error:[/] --recovery {escape(recovery)} --layouts {escape(layouts)}: choose "
                           f"checkpointless, restart or both; hsdp and/or fsdp")
         raise typer.Exit(2)
-    if nodes != 4:
-        err_console.print("[red]error:[/] --nodes: the trials' layouts (2 × 2 HSDP, FSDP 4) need 4 nodes")
+    if nodes % 2:
+        err_console.print(f"[red]error:[/] --nodes {nodes}: use an even number (HSDP is 2 replicas × nodes/2 shards)")
         raise typer.Exit(2)
     shape = JobShape(world=nodes)
     plan = ci_plan(shape) if ci else make_plan(seed, trials if duration is None else max(trials, 1000),

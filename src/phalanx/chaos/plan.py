@@ -27,9 +27,14 @@ KINDS = ("kill-node", "kill-worker", "hang-worker", "slow-rank", "fail-health", 
          "controller-restart", "two-nodes", "second-fault")
 PHASES = ("forward", "backward", "optimizer", "checkpoint", "regroup")
 MODES = ("checkpointless", "restart")
-LAYOUTS = {"hsdp": {"dp_replicate": 2, "dp_shard": 2}, "fsdp": {"dp_replicate": 1, "dp_shard": 4}}
+LAYOUTS = ("hsdp", "fsdp")  # HSDP: 2 replicas × world/2 shards; FSDP: one replica of world shards
 HARMLESS = ("slow-rank", "controller-restart")  # the job must go on without a recovery
 SECOND_FAULT_DELAYS_S = (0.1, 0.3, 0.6, 1.0)
+
+
+def layout_dims(layout: str, world: int) -> dict:
+    """The `parallel` section of a layout at `world` ranks (one per node)."""
+    return {"dp_replicate": 2, "dp_shard": world // 2} if layout == "hsdp" else {"dp_replicate": 1, "dp_shard": world}
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,11 @@ class JobShape:
     steps: int = 40
     interval: int = 10
     world: int = 4
+
+    def __post_init__(self):
+        if self.world < 4 or self.world % 2 or self.interval < 1 or self.steps < 2 * self.interval:
+            raise ValueError(f"{self}: the world must be even and at least 4 (HSDP needs 2 replicas of 2 shards), "
+                             f"and the job at least two checkpoint intervals long")
 
 
 @dataclass(frozen=True)
@@ -111,7 +121,7 @@ def steps_allowed(trial: Trial, shape: JobShape) -> int:
 def shard_lost(trial: Trial, shape: JobShape) -> bool:
     """Whether the ranks the trial takes away leave some shard's state held by no surviving peer."""
     lost = trial.lost_ranks
-    dims = LAYOUTS[trial.layout]
+    dims = layout_dims(trial.layout, shape.world)
     if dims["dp_replicate"] > 1:  # mesh (replica, shard): rank = replica × dp_shard + shard
         shard = dims["dp_shard"]
         return any(all(r * shard + s in lost for r in range(dims["dp_replicate"])) for s in range(shard))

@@ -23,7 +23,7 @@ from typing import Callable
 from phalanx.chaos import invariants as inv
 from phalanx.chaos.census import take_census
 from phalanx.chaos.inject import InjectionError, Injector, drill_for
-from phalanx.chaos.plan import LAYOUTS, JobShape, Trial, steps_allowed
+from phalanx.chaos.plan import JobShape, Trial, layout_dims, steps_allowed
 from phalanx.control.backend import cmdline, process_running, processes_mentioning, session_members
 from phalanx.control.cluster import ClusterClient, controller_pid, create_cluster, delete_cluster, start_controller
 from phalanx.control.jobs import FINAL_STATES, JobClient
@@ -53,12 +53,13 @@ class Settings:
 
 
 def job_tree(run_dir: Path, data: Path, mode: str, layout: str, s: Settings) -> dict:
-    """The tiny model, fp32, 4 ranks; the same for every trial and its reference."""
+    """The tiny model, fp32, one rank per node, 2 samples per rank per step; the same for every trial and its
+    reference."""
     shape = s.shape
     return {"run_dir": str(run_dir), "seed": 7, "precision": "fp32", "pg_timeout_s": s.pg_timeout_s,
             "model": {"preset": "tiny", "overrides": {"vocab_size": 512, "n_layers": 2}},
-            "data": {"path": str(data)}, "parallel": dict(LAYOUTS[layout]),
-            "training": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": shape.steps,
+            "data": {"path": str(data)}, "parallel": layout_dims(layout, shape.world),
+            "training": {"global_batch_size": 2 * shape.world, "micro_batch_size": 2, "max_steps": shape.steps,
                          "log_interval": shape.steps},
             "optimizer": {"lr": 3e-3}, "lr_schedule": {"warmup_steps": 3, "total_steps": shape.steps},
             "checkpoint": {"interval": shape.interval, "keep": 3},
