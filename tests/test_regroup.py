@@ -299,3 +299,16 @@ def test_a_left_generation_the_controller_missed_is_told_once_its_store_is_back(
     seam.publish_generation(server, "7", 3, ["n0", "n1"], 1)
     assert m.wait_for_newer(2, timeout_s=5) == 3
     assert server.add(seam.left_key("7", 2), 0) == 1 and m.left_untold is None
+
+
+def test_a_worker_waits_at_exit_until_the_store_has_its_last_step():
+    """A restart-mode job that ends just after a controller restart: the last step must reach the restarted
+    store before the worker exits, or the controller records the job as finished at an older step."""
+    port = _free_port()
+    reporter = seam.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
+    reporter.report(40)  # no store yet (the controller is restarting): recorded, not published
+    assert not reporter.flush(0.5), "nothing to publish to: flush gives up after its timeout"
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the store is back
+    assert reporter.flush(10.0)
+    assert seam.read_progress(server, "j", 1, [0])[0]["step"] == 40
+    reporter.close()

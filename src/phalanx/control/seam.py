@@ -341,6 +341,7 @@ class ProgressReporter:
         self.retry_s = retry_s
         self.timeout = timedelta(seconds=timeout_s)
         self._step: int | None = None
+        self._published: int | None = None  # the newest step the store has (for `flush`)
         self._closed = False
         self._cond = threading.Condition()
         threading.Thread(target=self._publish_loop, name="phalanx-progress", daemon=True).start()
@@ -350,6 +351,13 @@ class ProgressReporter:
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until the newest reported step is in the store: a worker calls it before
+        it exits, so the controller knows the last step even when the store came back only moments before (a
+        restarted controller). True once published."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._published == self._step or self._closed, timeout=timeout_s)
 
     def switch(self, generation: int, rank: int) -> None:
         """A checkpointless worker moved into a new generation (perhaps as another rank): publish there."""
@@ -401,6 +409,9 @@ class ProgressReporter:
             if failing:
                 log.info("progress store %s:%d reachable again; published step %s", self.host, self.port, step)
             failing, published = False, step
+            with self._cond:
+                self._published = step
+                self._cond.notify_all()
 
 
 def progress_reporter(env: Mapping[str, str] | None = None) -> ProgressReporter | None:

@@ -27,6 +27,7 @@ from phalanx.process import exit_without_teardown
 from phalanx.train.config import ConfigError, TrainConfig, config_from_dict, load_config
 
 log = logging.getLogger("phalanx.worker")
+FLUSH_S = 5.0  # at most this long, at exit, for the store to take the last step (a restarting controller)
 
 
 def select_device() -> tuple[torch.device, str]:
@@ -61,8 +62,10 @@ def run(config_tree: dict | TrainConfig) -> int:
     init_process_group(backend, timedelta(seconds=config.pg_timeout_s))
     try:
         trainer = Trainer(config, device)
-        report_progress(trainer)
+        reporter = report_progress(trainer)
         trainer.fit()
+        if reporter is not None:  # the controller learns the last step before this process exits
+            reporter.flush(FLUSH_S)
     except (ConfigError, DataError, ParallelConfigError) as err:
         if dist.get_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -96,14 +99,15 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
-def report_progress(trainer) -> None:
+def report_progress(trainer):
     """Under a Phalanx node agent, publish each finished step to the seam's progress key (the agent's hang
-    detector reads it); a no-op otherwise. One store write per step, done on a background thread."""
+    detector reads it) and return the reporter; None otherwise. One store write per step, done on a background
+    thread."""
     from phalanx.control.seam import progress_reporter
 
     reporter = progress_reporter()
     if reporter is None:
-        return
+        return None
     train_step = trainer.train_step
 
     def train_step_reporting_progress() -> dict:
@@ -113,6 +117,7 @@ def report_progress(trainer) -> None:
         return record
 
     trainer.train_step = train_step_reporting_progress
+    return reporter
 
 
 def wait_as_standby() -> None:
