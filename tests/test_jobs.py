@@ -157,9 +157,9 @@ def test_hang_rule_kills_a_frozen_worker_first_and_a_stalled_one_only_later():
     sup.relay_up = True
     now = time.monotonic()
 
-    def worker(progress_silent: float, beat_silent: float) -> Worker:
+    def worker(progress_silent: float, beat_silent: float, step: int | None = 5) -> Worker:
         proc = subprocess.Popen(["sleep", "30"], process_group=0)
-        w = Worker("1", 1, 0, 0, pid=proc.pid, started_at=time.time(), proc=proc, last_step=5, last_beat=9,
+        w = Worker("1", 1, 0, 0, pid=proc.pid, started_at=time.time(), proc=proc, last_step=step, last_beat=9,
                    last_change=now - progress_silent, last_beat_change=now - beat_silent)
         sup._judge_hang(w, now)
         return w
@@ -171,6 +171,21 @@ def test_hang_rule_kills_a_frozen_worker_first_and_a_stalled_one_only_later():
     assert frozen.frozen and frozen.hang.startswith("frozen: no progress for 3.0 s after step 5")
     assert not stalled.frozen and stalled.hang.startswith("stalled: no progress for 5.0 s")
     assert frozen.proc.wait(5) == -signal.SIGKILL and stalled.proc.wait(5) == -signal.SIGKILL
+    # regrouping (no step in the new generation yet): a stopped beat is a freeze; a live one is a rank waiting
+    # for its peers, which the regroup's own timeout bounds, so it is never called stalled
+    frozen_in_regroup = worker(progress_silent=3.0, beat_silent=3.0, step=None)
+    waiting_in_regroup = worker(progress_silent=30.0, beat_silent=0.2, step=None)
+    assert frozen_in_regroup.hang.startswith("frozen: no progress for 3.0 s while regrouping")
+    assert frozen_in_regroup.proc.wait(5) == -signal.SIGKILL
+    assert waiting_in_regroup.hang is None and waiting_in_regroup.proc.poll() is None
+    waiting_in_regroup.proc.kill()
+    waiting_in_regroup.proc.wait()
+    sup.workers[("1", 1, 0)] = frozen_in_regroup  # poll judges a worker with a beat but no step yet
+    frozen_in_regroup.hang, frozen_in_regroup.state = None, "running"
+    frozen_in_regroup.proc = subprocess.Popen(["sleep", "30"], process_group=0)
+    frozen_in_regroup.pid = frozen_in_regroup.proc.pid
+    sup.poll()
+    assert frozen_in_regroup.hang and frozen_in_regroup.proc.wait(5) == -signal.SIGKILL
     sup.relay_down()  # the controller is unreachable: silence is not evidence, nobody is judged
     sup.workers[("1", 1, 0)] = waiting
     waiting.last_change = waiting.last_beat_change = now - 30

@@ -312,3 +312,22 @@ def test_a_worker_waits_at_exit_until_the_store_has_its_last_step():
     assert reporter.flush(10.0)
     assert seam.read_progress(server, "j", 1, [0])[0]["step"] == 40
     reporter.close()
+
+
+def test_a_worker_moving_into_a_new_generation_beats_there_before_it_regroups():
+    """A checkpointless survivor switches its progress keys as soon as it holds its rank in the new
+    generation, and `switch` returns once the carried step and a beat are in the store there: a freeze during
+    the process-group creation that follows is then seen by its agent (a stopped beat), not blamed on the peers
+    that wait for it."""
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    reporter = seam.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
+    try:
+        reporter.report(12)
+        assert reporter.flush(10.0)
+        assert seam.read_progress(server, "j", 2, [3])[3] == {"step": None, "beat": None}
+        assert reporter.switch(2, 3, wait_s=10.0)
+        seen = seam.read_progress(server, "j", 2, [3])[3]
+        assert seen["step"] == 12 and seen["beat"] is not None
+    finally:
+        reporter.close()

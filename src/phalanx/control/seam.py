@@ -342,6 +342,7 @@ class ProgressReporter:
         self.timeout = timedelta(seconds=timeout_s)
         self._step: int | None = None
         self._published: int | None = None  # the newest step the store has (for `flush`)
+        self._published_version = 0  # the keys `_published` went to (for `switch`)
         self._closed = False
         self._cond = threading.Condition()
         threading.Thread(target=self._publish_loop, name="phalanx-progress", daemon=True).start()
@@ -359,13 +360,17 @@ class ProgressReporter:
         with self._cond:
             return self._cond.wait_for(lambda: self._published == self._step or self._closed, timeout=timeout_s)
 
-    def switch(self, generation: int, rank: int) -> None:
-        """A checkpointless worker moved into a new generation (perhaps as another rank): publish there."""
+    def switch(self, generation: int, rank: int, wait_s: float = 0.0) -> bool:
+        """A checkpointless worker moved into a new generation (perhaps as another rank): publish there, the
+        step it carries at once and its beat from now on, so that its agent can tell it frozen while it
+        regroups. Waits (at most `wait_s`) until the new keys are in the store; True once they are."""
         with self._cond:
             self.step_key = progress_key(self.job_id, generation, rank)
             self.beat_key = alive_key(self.job_id, generation, rank)
             self._keys_version += 1
+            version = self._keys_version
             self._cond.notify()
+            return self._cond.wait_for(lambda: self._published_version == version or self._closed, timeout=wait_s)
 
     def report(self, step: int) -> None:
         with self._cond:
@@ -410,7 +415,7 @@ class ProgressReporter:
                 log.info("progress store %s:%d reachable again; published step %s", self.host, self.port, step)
             failing, published = False, step
             with self._cond:
-                self._published = step
+                self._published, self._published_version = step, version
                 self._cond.notify_all()
 
 

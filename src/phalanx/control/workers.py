@@ -325,8 +325,8 @@ class WorkerSupervisor:
                 if code is not None:
                     self._exited(w, code)
                     exited = True
-                elif w.state == "running" and self.relay_up and w.hang_detection and w.last_step is not None \
-                        and not w.hang:
+                elif w.state == "running" and self.relay_up and w.hang_detection and not w.hang \
+                        and (w.last_step is not None or w.last_beat is not None):
                     self._judge_hang(w, now)
                 elif w.state == "stopping" and not w.killed_after_grace and now - w.stop_sent_at > STOP_GRACE_S:
                     log.warning("worker rank %d of job %s (pid %d) still running %.0f s after SIGTERM; next: SIGKILL",
@@ -343,9 +343,10 @@ class WorkerSupervisor:
         beat_silent = now - w.last_beat_change
         if w.last_beat is not None and beat_silent > timeout / 2:
             w.frozen = True
-            w.hang = (f"frozen: no progress for {silent:.1f} s after step {w.last_step} and no liveness beat for "
+            where = f"after step {w.last_step}" if w.last_step is not None else "while regrouping"
+            w.hang = (f"frozen: no progress for {silent:.1f} s {where} and no liveness beat for "
                       f"{beat_silent:.1f} s (hang_timeout_s={timeout:g})")
-        elif silent > 2 * timeout:
+        elif silent > 2 * timeout and w.last_step is not None:  # (no step yet: regrouping, bounded on its own)
             w.hang = (f"stalled: no progress for {silent:.1f} s after step {w.last_step} while alive (waiting on "
                       f"its peers: a deadlock or a stuck collective; 2 × hang_timeout_s={timeout:g})")
         else:

@@ -48,6 +48,7 @@ from phalanx.resilience.state import IntegrityError, ShardState, exchange, shard
 
 log = logging.getLogger("phalanx.checkpointless")
 EXIT_NO_GENERATION = 3
+SWITCH_WAIT_S = 2.0  # at most this long for the progress keys of a new generation to be in the store
 _PEER_FAULT_WORDS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "timed out",
                      "Timed out", "Socket", "socket", "ProcessGroup", "peer")
 
@@ -285,14 +286,14 @@ class CheckpointlessRun:
         marks = self.marks
         placement = self.membership.placement(generation)
         self.membership.arrive(placement, self.settings.regroup_timeout_s)
+        if self.reporter is not None:  # from here on a freeze is seen: the beat stops under this generation's keys
+            self.reporter.switch(generation, placement.rank, wait_s=SWITCH_WAIT_S)
         marks["arrived"] = time.time()
         self.membership.init_process_group(placement, self.backend, self.config.pg_timeout_s,
                                            self.settings.regroup_timeout_s)
         marks["pg"] = time.time()
         if self.fault is not None:
             self.drill.at_regroup()
-        if self.reporter is not None:
-            self.reporter.switch(generation, placement.rank)
         self.trainer = trainer = Trainer(self.config, self.device, init_weights=False)
         marks["trainer"] = time.time()
         self.restore(trainer, placement)
