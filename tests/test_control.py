@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from phalanx.cli import app
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.control.backend import AGENT_MODULE, process_group_members, process_running, processes_mentioning
 from phalanx.control.cluster import (ClusterClient, CreateFailed, controller_pid, create_cluster, delete_cluster,
                                      start_controller)
@@ -152,14 +152,14 @@ def test_store_refuses_illegal_transitions_and_records_every_move(tmp_path):
 
 
 def test_seam_names_and_keys():
-    p = seam.WorkerPlacement("job7", 3, rank=5, world_size=8, local_rank=1, local_world_size=2, master_addr="h",
+    p = protocol.WorkerPlacement("job7", 3, rank=5, world_size=8, local_rank=1, local_world_size=2, master_addr="h",
                              master_port=29500, store_addr="h:1234", checkpoint_dir="/ck", cluster_token="t")
-    env = seam.worker_env(p, base={"PATH": "/bin"})
+    env = protocol.worker_env(p, base={"PATH": "/bin"})
     assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1"
     assert env["PHALANX_GENERATION"] == "3" and env["PHALANX_STORE_ADDR"] == "h:1234" and env["PATH"] == "/bin"
-    assert seam.progress_key("job7", 3, 5) == "job7/gen3/progress/5"
-    assert seam.progress_key("job7", 3, 5).startswith(seam.generation_prefix("job7", 3) + "/")
-    assert seam.parse_store_addr("h:1234") == ("h", 1234)
+    assert protocol.progress_key("job7", 3, 5) == "job7/gen3/progress/5"
+    assert protocol.progress_key("job7", 3, 5).startswith(protocol.generation_prefix("job7", 3) + "/")
+    assert protocol.parse_store_addr("h:1234") == ("h", 1234)
 
 
 def test_gpu_check_skips_cpu_types_and_fails_gpu_types_without_nvml():
@@ -283,7 +283,7 @@ def test_create_lists_healthy_nodes_and_refuses_unauthenticated_requests(tmp_pat
     assert events.exit_code == 0 and "healthy" in events.output and "initial spare" in flat(events.output)
     import torch.distributed as dist  # the rendezvous store the controller owns is a real TCPStore
 
-    host, port = seam.parse_store_addr(info["store"]["addr"])
+    host, port = protocol.parse_store_addr(info["store"]["addr"])
     store = dist.TCPStore(host, port, is_master=False)
     store.set("probe", "1")
     assert store.get("probe") == b"1"

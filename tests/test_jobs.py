@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
 from phalanx.cli import app
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.control.backend import process_running, processes_mentioning, session_members
 from phalanx.control.cluster import ClusterClient, controller_pid, create_cluster, delete_cluster, start_controller
 from phalanx.control.jobs import JobClient, JobError
@@ -100,13 +100,13 @@ def generation_runs(run_dir: Path) -> tuple[list[list[dict]], list[dict]]:
 
 # ---- units ---------------------------------------------------------------------------------------------
 def test_worker_env_carries_the_training_config_and_generation_keys():
-    p = seam.WorkerPlacement("7", 2, rank=1, world_size=4, local_rank=0, local_world_size=1, master_addr="h",
+    p = protocol.WorkerPlacement("7", 2, rank=1, world_size=4, local_rank=0, local_world_size=1, master_addr="h",
                              master_port=1234, store_addr="h:99", checkpoint_dir="/ck", cluster_token="t",
                              config_path="/jobs/7/config.json")
-    env = seam.worker_env(p, base={})
-    assert env[seam.CONFIG] == "/jobs/7/config.json" and env["MASTER_PORT"] == "1234"
-    assert seam.alive_key("7", 2, 1) == "7/gen2/alive/1" and seam.progress_key("7", 2, 1) == "7/gen2/progress/1"
-    assert seam.progress_reporter({}) is None  # not under an agent: nothing is published
+    env = protocol.worker_env(p, base={})
+    assert env[protocol.CONFIG] == "/jobs/7/config.json" and env["MASTER_PORT"] == "1234"
+    assert protocol.alive_key("7", 2, 1) == "7/gen2/alive/1" and protocol.progress_key("7", 2, 1) == "7/gen2/progress/1"
+    assert protocol.progress_reporter({}) is None  # not under an agent: nothing is published
 
 
 @pytest.mark.slow
@@ -129,18 +129,18 @@ def test_progress_reporter_survives_a_store_restart(tmp_path):
 
     server = start()
     try:
-        reporter = seam.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
+        reporter = protocol.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
         reader = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
         reporter.report(5)
-        seen = wait_for(lambda: (v := seam.read_progress(reader, "j", 1, [0])[0])["step"] == 5 and v, 10, "step 5")
+        seen = wait_for(lambda: (v := protocol.read_progress(reader, "j", 1, [0])[0])["step"] == 5 and v, 10, "step 5")
         beat = seen["beat"]
-        wait_for(lambda: seam.read_progress(reader, "j", 1, [0])[0]["beat"] > beat, 5, "the beat to advance")
+        wait_for(lambda: protocol.read_progress(reader, "j", 1, [0])[0]["beat"] > beat, 5, "the beat to advance")
         server.kill()
         server.wait()
         reporter.report(6)  # the store is down: recorded, training goes on
         server = start()
         reader = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-        wait_for(lambda: seam.read_progress(reader, "j", 1, [0])[0]["step"] == 6, 20, "step 6 re-published")
+        wait_for(lambda: protocol.read_progress(reader, "j", 1, [0])[0]["step"] == 6, 20, "step 6 re-published")
     finally:
         reporter.close()
         server.kill()

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from phalanx.control import seam
+from phalanx import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,8 +115,8 @@ MEMBER_SCRIPT = textwrap.dedent("""
 
 def test_a_generation_forms_its_groups_through_membership_when_everyone_comes():
     port = _free_port()
-    server = seam.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
-    seam.publish_generation(server, "7", 1, ["n0", "n1"], 1)
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    protocol.publish_generation(server, "7", 1, ["n0", "n1"], 1)
     env = {"GLOO_SOCKET_IFNAME": "lo", "PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     procs = [subprocess.Popen([sys.executable, "-c", MEMBER_SCRIPT, str(port), node], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for node in ("n0", "n1")]
@@ -129,8 +129,8 @@ def test_exactly_one_process_holds_a_rank_in_a_generation():
     from phalanx.resilience.membership import Membership, RankTaken
 
     port = _free_port()
-    server = seam.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
-    seam.publish_generation(server, "7", 3, ["n0", "n1"], 1)
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    protocol.publish_generation(server, "7", 3, ["n0", "n1"], 1)
     first = Membership(f"127.0.0.1:{port}", "7", "n1", 0, token="tok")
     second = Membership(f"127.0.0.1:{port}", "7", "n1", 0, token="tok")  # a stale standby on the same slot
     other = Membership(f"127.0.0.1:{port}", "7", "n0", 0, token="tok")
@@ -141,7 +141,7 @@ def test_exactly_one_process_holds_a_rank_in_a_generation():
     with pytest.raises(RankTaken, match="rank 1 of generation 3 is already held"):
         second.arrive(second.placement(3), timeout_s=5)
     other.arrive(other.placement(3), timeout_s=5)  # both ranks counted: the duplicate was not
-    assert server.add(seam.joined_key("7", 3), 0) == 2
+    assert server.add(protocol.joined_key("7", 3), 0) == 2
     first.arrive(placement, timeout_s=0.1)  # a rank arriving again after a timeout keeps its claim
 
 
@@ -200,7 +200,7 @@ def _supervisor(tmp_path):
 
 
 def _assignment(tmp_path, generation: int, **rank) -> dict:
-    return {"job": "7", "generation": generation, "recovery": seam.CHECKPOINTLESS, "argv": ["false"],
+    return {"job": "7", "generation": generation, "recovery": protocol.CHECKPOINTLESS, "argv": ["false"],
             "cwd": str(tmp_path), "env": {}, "log_dir": str(tmp_path / "logs"), "world_size": 2,
             "local_world_size": 1, "master_addr": "127.0.0.1", "master_port": 1, "store_addr": "",
             "checkpoint_dir": str(tmp_path), "ranks": [{"rank": 1, "local_rank": 0, **rank}]}
@@ -251,7 +251,7 @@ def _policy(tmp_path):
     records = JobRecords(store)
     job = records.add_job(name="j", kind="train", group="workers", nodes=2, workers_per_node=1, argv=[],
                           cwd=str(tmp_path), env={}, config=None, jobs_root=str(tmp_path), checkpoint_dir=None,
-                          auto_resume=True, max_retries=0, recovery=seam.CHECKPOINTLESS)
+                          auto_resume=True, max_retries=0, recovery=protocol.CHECKPOINTLESS)
     return store, records, job, InPlaceRecovery(store, records, spec=None)
 
 
@@ -293,24 +293,24 @@ def test_a_left_generation_the_controller_missed_is_told_once_its_store_is_back(
     from phalanx.resilience.membership import Membership
 
     port = _free_port()
-    server = seam.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
     m = Membership(f"127.0.0.1:{port}", "7", "n1", 0, token="tok")
     m.left_untold = 2  # as leave_generation records it when report_left failed
-    seam.publish_generation(server, "7", 3, ["n0", "n1"], 1)
+    protocol.publish_generation(server, "7", 3, ["n0", "n1"], 1)
     assert m.wait_for_newer(2, timeout_s=5) == 3
-    assert server.add(seam.left_key("7", 2), 0) == 1 and m.left_untold is None
+    assert server.add(protocol.left_key("7", 2), 0) == 1 and m.left_untold is None
 
 
 def test_a_worker_waits_at_exit_until_the_store_has_its_last_step():
     """A restart-mode job that ends just after a controller restart: the last step must reach the restarted
     store before the worker exits, or the controller records the job as finished at an older step."""
     port = _free_port()
-    reporter = seam.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
+    reporter = protocol.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
     reporter.report(40)  # no store yet (the controller is restarting): recorded, not published
     assert not reporter.flush(0.5), "nothing to publish to: flush gives up after its timeout"
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the store is back
     assert reporter.flush(10.0)
-    assert seam.read_progress(server, "j", 1, [0])[0]["step"] == 40
+    assert protocol.read_progress(server, "j", 1, [0])[0]["step"] == 40
     reporter.close()
 
 
@@ -321,13 +321,13 @@ def test_a_worker_moving_into_a_new_generation_beats_there_before_it_regroups():
     that wait for it."""
     port = _free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    reporter = seam.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
+    reporter = protocol.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.1, retry_s=0.2)
     try:
         reporter.report(12)
         assert reporter.flush(10.0)
-        assert seam.read_progress(server, "j", 2, [3])[3] == {"step": None, "beat": None}
+        assert protocol.read_progress(server, "j", 2, [3])[3] == {"step": None, "beat": None}
         assert reporter.switch(2, 3, wait_s=10.0)
-        seen = seam.read_progress(server, "j", 2, [3])[3]
+        seen = protocol.read_progress(server, "j", 2, [3])[3]
         assert seen["step"] == 12 and seen["beat"] is not None
     finally:
         reporter.close()

@@ -27,7 +27,7 @@ import pytest
 
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.control.backend import free_port
 from phalanx.control.controller import start_rendezvous_store
 
@@ -71,8 +71,8 @@ def connects(host: str, port: int) -> bool:
 
 
 def rank_env(rank: int, port: int, host: str = "127.0.0.1", job: str = "3") -> dict[str, str]:
-    return {seam.MASTER_ADDR: host, seam.MASTER_PORT: str(port), seam.RANK: str(rank), seam.WORLD_SIZE: "2",
-            seam.JOB_ID: job, seam.CLUSTER_TOKEN: TOKEN}
+    return {protocol.MASTER_ADDR: host, protocol.MASTER_PORT: str(port), protocol.RANK: str(rank), protocol.WORLD_SIZE: "2",
+            protocol.JOB_ID: job, protocol.CLUSTER_TOKEN: TOKEN}
 
 
 # ---- where the stores listen ------------------------------------------------------------------------------
@@ -81,15 +81,15 @@ def test_the_controllers_store_and_a_generations_rank0_store_listen_only_on_thei
     assert listeners(controller_store.port) == {"127.0.0.1"}  # torch alone: {"::"}, every interface
 
     port = free_port()
-    rank0 = seam.env_rendezvous_store(rank_env(0, port), TIMEOUT)  # what a restart-mode worker of rank 0 does
-    rank1 = seam.env_rendezvous_store(rank_env(1, port), TIMEOUT)
+    rank0 = protocol.env_rendezvous_store(rank_env(0, port), TIMEOUT)  # what a restart-mode worker of rank 0 does
+    rank1 = protocol.env_rendezvous_store(rank_env(1, port), TIMEOUT)
     assert listeners(port) == {"127.0.0.1"}
     rank1.set("hello", "1")  # the ranks still meet there, under the cluster's namespace
     assert rank0.get("hello") == b"1"
-    assert rank0.underlying_store.list_keys() == [f"{seam.store_namespace(TOKEN)}/hello"]
+    assert rank0.underlying_store.list_keys() == [f"{protocol.store_namespace(TOKEN)}/hello"]
 
     # torchrun / srun (no agent, MASTER_ADDR not loopback): torch's env:// as before
-    assert seam.env_rendezvous_store({seam.MASTER_ADDR: "node-0", seam.MASTER_PORT: "1", seam.RANK: "0"},
+    assert protocol.env_rendezvous_store({protocol.MASTER_ADDR: "node-0", protocol.MASTER_PORT: "1", protocol.RANK: "0"},
                                      TIMEOUT) is None
 
 
@@ -157,9 +157,9 @@ def test_a_client_on_another_address_cannot_reach_the_store(netns):
     default = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # what the code did before
     loopback = start_rendezvous_store("127.0.0.1", None)  # the default api.host
     rank0_port, rank0_on_link_port = free_port(), free_port(host_ip)
-    rank0 = seam.env_rendezvous_store(rank_env(0, rank0_port), TIMEOUT)  # noqa: F841 (listens while referenced)
+    rank0 = protocol.env_rendezvous_store(rank_env(0, rank0_port), TIMEOUT)  # noqa: F841 (listens while referenced)
     on_link = start_rendezvous_store(host_ip, None)  # api.host on the nodes' network
-    rank0_on_link = seam.env_rendezvous_store(rank_env(0, rank0_on_link_port, host=host_ip), TIMEOUT)  # noqa: F841
+    rank0_on_link = protocol.env_rendezvous_store(rank_env(0, rank0_on_link_port, host=host_ip), TIMEOUT)  # noqa: F841
 
     assert reachable_from(ns, [(host_ip, default.port), (host_ip, loopback.port), (host_ip, rank0_port),
                                (host_ip, on_link.port), (host_ip, rank0_on_link_port)]) == \
@@ -176,42 +176,42 @@ def test_a_jobs_keys_live_under_the_clusters_namespace_and_a_stranger_finds_none
     from phalanx.resilience.membership import Membership
 
     master = start_rendezvous_store("127.0.0.1", None)
-    keys = seam.namespaced(master, TOKEN)  # what the controller hands its scheduler
+    keys = protocol.namespaced(master, TOKEN)  # what the controller hands its scheduler
     addr = f"127.0.0.1:{master.port}"
-    seam.publish_generation(keys, "7", 2, ["workers-0", "workers-1"], 1)
+    protocol.publish_generation(keys, "7", 2, ["workers-0", "workers-1"], 1)
     member = Membership(addr, "7", "workers-1", 0, token=TOKEN)  # the worker side (checkpointless)
     assert member.latest() == 2 and member.placement(2).rank == 1
     member.report_left(2)
-    reporter = seam.ProgressReporter(addr, "7", 2, 1, beat_s=0.1, token=TOKEN)
+    reporter = protocol.ProgressReporter(addr, "7", 2, 1, beat_s=0.1, token=TOKEN)
     try:
         reporter.report(5)
-        wait_for(lambda: seam.read_progress(keys, "7", 2, [1])[1]["step"] == 5, 10, "step 5 on the controller side")
+        wait_for(lambda: protocol.read_progress(keys, "7", 2, [1])[1]["step"] == 5, 10, "step 5 on the controller side")
     finally:
         reporter.close()
 
     stranger = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
-    by_name = [seam.generation_key("7"), seam.layout_key("7", 2), seam.progress_key("7", 2, 1),
-               seam.alive_key("7", 2, 1), seam.left_key("7", 2)]
+    by_name = [protocol.generation_key("7"), protocol.layout_key("7", 2), protocol.progress_key("7", 2, 1),
+               protocol.alive_key("7", 2, 1), protocol.left_key("7", 2)]
     assert not any(stranger.check([k]) for k in by_name)  # the names the code used before find nothing
-    other_cluster = seam.namespaced(stranger, "another-clusters-token")
+    other_cluster = protocol.namespaced(stranger, "another-clusters-token")
     assert not any(other_cluster.check([k]) for k in by_name)
     assert Membership(addr, "7", "workers-1", 0, token="another-clusters-token").latest() == 0
     listed = stranger.list_keys()
-    namespace = seam.store_namespace(TOKEN)
+    namespace = protocol.store_namespace(TOKEN)
     assert TOKEN not in namespace and not any(TOKEN in k for k in listed)
     # Not a secret from a client that connects: TCPStore lists keys. The bind is the boundary (docs).
     assert listed and all(k.startswith(f"{namespace}/7/gen2/") or k == f"{namespace}/7/generation" for k in listed)
 
 
 def test_a_standby_assignment_holds_no_token_and_a_forged_one_is_refused():
-    env = seam.worker_env(seam.WorkerPlacement("7", 2, rank=1, world_size=2, local_rank=0, local_world_size=1,
+    env = protocol.worker_env(protocol.WorkerPlacement("7", 2, rank=1, world_size=2, local_rank=0, local_world_size=1,
                                                master_addr="127.0.0.1", master_port=1, store_addr="127.0.0.1:2",
                                                checkpoint_dir="/ck", cluster_token=TOKEN), base={})
-    sealed = seam.standby_assignment(TOKEN, "workers-2.0.99.1", env, "/jobs/7/logs/rank1.log")
+    sealed = protocol.standby_assignment(TOKEN, "workers-2.0.99.1", env, "/jobs/7/logs/rank1.log")
     assert TOKEN not in sealed  # anyone who reaches the store can read it
-    opened = seam.open_standby_assignment(TOKEN, "workers-2.0.99.1", sealed.encode())
-    assert opened["log"] == "/jobs/7/logs/rank1.log" and opened["env"][seam.RANK] == "1"
-    assert seam.CLUSTER_TOKEN not in opened["env"]  # the standby has it from its agent
+    opened = protocol.open_standby_assignment(TOKEN, "workers-2.0.99.1", sealed.encode())
+    assert opened["log"] == "/jobs/7/logs/rank1.log" and opened["env"][protocol.RANK] == "1"
+    assert protocol.CLUSTER_TOKEN not in opened["env"]  # the standby has it from its agent
 
     forged = json.dumps({"body": json.dumps({"env": {"PHALANX_CONFIG": "/tmp/evil.json"}, "log": "/etc/x"}),
                          "mac": json.loads(sealed)["mac"]})
@@ -220,7 +220,7 @@ def test_a_standby_assignment_holds_no_token_and_a_forged_one_is_refused():
                             (TOKEN, "workers-3.0.98.1", sealed),  # replayed to another standby
                             (TOKEN, "workers-2.0.99.1", json.dumps({"env": {}, "log": "/etc/x"}))]:  # unsigned
         with pytest.raises(ValueError):
-            seam.open_standby_assignment(token, sid, raw)
+            protocol.open_standby_assignment(token, sid, raw)
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------
@@ -241,19 +241,19 @@ def test_a_running_jobs_stores_listen_on_loopback_only_and_hide_its_keys(tmp_pat
     step_at_least(jobs, "tiny", 2)
     info = jobs.describe("tiny")
     job_id, gen = str(info["id"]), info["generations"][0]
-    host, port = seam.parse_store_addr(ClusterClient("c1").describe()["store"]["addr"])
+    host, port = protocol.parse_store_addr(ClusterClient("c1").describe()["store"]["addr"])
 
     assert listeners(port) == {"127.0.0.1"}  # the controller's store
     assert listeners(gen["master_port"]) == {"127.0.0.1"}  # rank 0's rendezvous of generation 1 (env:// before: ::)
 
     stranger = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
-    names = [seam.progress_key(job_id, 1, r) for r in (0, 1)] + [seam.alive_key(job_id, 1, r) for r in (0, 1)]
+    names = [protocol.progress_key(job_id, 1, r) for r in (0, 1)] + [protocol.alive_key(job_id, 1, r) for r in (0, 1)]
     assert not any(stranger.check([k]) for k in names)
     token = ClusterPaths.for_name("c1").read_token()
     assert not any(token in k for k in stranger.list_keys())
-    progress = seam.read_progress(seam.namespaced(stranger, token), job_id, 1, [0, 1])  # with the token: there
+    progress = protocol.read_progress(protocol.namespaced(stranger, token), job_id, 1, [0, 1])  # with the token: there
     assert all(p["step"] is not None and p["step"] >= 1 for p in progress.values()), progress
     rank0 = dist.TCPStore(gen["master_addr"], gen["master_port"], is_master=False, wait_for_workers=False,
                           timeout=TIMEOUT)
-    assert all(k.startswith(seam.store_namespace(token) + "/") for k in rank0.list_keys())
+    assert all(k.startswith(protocol.store_namespace(token) + "/") for k in rank0.list_keys())
     jobs.cancel("tiny")

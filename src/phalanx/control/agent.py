@@ -19,7 +19,7 @@ re-reading the controller's endpoint file (a restarted controller may listen els
 told to, when its node is unknown to the controller (deleted), or when its work dir disappears; its workers
 are stopped first.
 
-Must not know: the reconciler's policy, SQLite, torch. Workers get the env from `phalanx.control.seam`.
+Must not know: the reconciler's policy, SQLite, torch. Workers get the env from `phalanx.protocol`.
 """
 
 from __future__ import annotations

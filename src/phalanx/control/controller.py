@@ -6,10 +6,10 @@ DIR/controller.log; pid in DIR/controller.pid). It owns:
   - the reconciler thread (`Reconciler.tick` every TICK_S), with the job scheduler (`scheduler.py`);
   - the HTTP API (FastAPI on uvicorn, loopback by default, cluster token required);
   - the rendezvous store, a `torch.distributed.TCPStore(is_master=True)`: it lives here, not in rank 0,
-    so it outlives any worker. Workers publish their progress there (`seam.progress_key`); the scheduler
+    so it outlives any worker. Workers publish their progress there (`protocol.progress_key`); the scheduler
     reads it and relays it to the agents' hang detectors. It listens on the API's connect address only
-    (`seam.serve_store`; torch alone would listen on every interface), and every key the controller reads or
-    writes goes through `seam.namespaced` (under the namespace derived from the cluster token) — the trust
+    (`protocol.serve_store`; torch alone would listen on every interface), and every key the controller reads or
+    writes goes through `protocol.namespaced` (under the namespace derived from the cluster token) — the trust
     boundary is in docs/control-plane.md.
 
 A restart rebuilds everything from SQLite: the same API and store ports are reused when free (agents
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import uvicorn
 
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.control.api import build_app
 from phalanx.control.backend import LocalBackend, process_running
 from phalanx.control.deep_check import DeepCheckCoordinator
@@ -73,10 +73,10 @@ def bind_api_socket(host: str, port: int, fallback_to_any: bool) -> socket.socke
 
 def start_rendezvous_store(host: str, port: int | None):
     """The controller-owned TCPStore, listening on `host` only (the address agents and workers are given).
-    Reuses `port` (a restart) when it is free, else picks one. Keys go through `seam.namespaced`."""
+    Reuses `port` (a restart) when it is free, else picks one. Keys go through `protocol.namespaced`."""
 
     def make(p: int):
-        return seam.serve_store(host, p)  # only the store: the control plane has no model code
+        return protocol.serve_store(host, p)  # only the store: the control plane has no model code
 
     if port:
         try:
@@ -147,10 +147,10 @@ class Controller:
         log.info(what)
 
         store_addr = f"{connect_host(host)}:{rendezvous.port}"
-        keys = seam.namespaced(rendezvous, self.token)  # every key under the cluster's namespace
+        keys = protocol.namespaced(rendezvous, self.token)  # every key under the cluster's namespace
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
-            read_progress=lambda job, gen, ranks: seam.read_progress(keys, job, gen, ranks),
+            read_progress=lambda job, gen, ranks: protocol.read_progress(keys, job, gen, ranks),
             controller_id=started_at, rendezvous=keys,
         )
         self.jobs.token = self.token

@@ -21,7 +21,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from phalanx.control import seam
+from phalanx import protocol
 
 
 def measure(size_mb: float, iters: int, timeout_s: float) -> dict:
@@ -37,7 +37,7 @@ def measure(size_mb: float, iters: int, timeout_s: float) -> dict:
     backend = "nccl" if gpu else "gloo"
     timeout = timedelta(seconds=timeout_s)
     # rank 0 serves the rendezvous on MASTER_ADDR only (env://'s would listen on every interface)
-    store = seam.env_rendezvous_store(os.environ, timeout)
+    store = protocol.env_rendezvous_store(os.environ, timeout)
     if store is None:
         dist.init_process_group(backend, timeout=timeout)
     else:

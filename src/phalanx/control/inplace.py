@@ -8,11 +8,11 @@
   survivor_slots / standby_nodes
                 which slots of the next generation a carried survivor serves, and which nodes' ranks a warm
                 standby may take
-  stranded      ranks left the generation (`seam.left_key`) and no real fault followed within a heartbeat
+  stranded      ranks left the generation (`protocol.left_key`) and no real fault followed within a heartbeat
                 timeout: a network error; a fault of its own, so nobody waits out a timeout
-  finished      rank 0 reported the last step done everywhere (`seam.finished_key`): exits after that,
+  finished      rank 0 reported the last step done everywhere (`protocol.finished_key`): exits after that,
                 or workers whose node stopped relaying, end the job as succeeded
-  note_restored the new rank 0's report of how it restored (`seam.recovered_key`) becomes the generation's
+  note_restored the new rank 0's report of how it restored (`protocol.recovered_key`) becomes the generation's
                 `restored` and the controller's events
   republish     a restarted controller's store is empty: publish every active job's generation again
 
@@ -26,7 +26,7 @@ import json
 import logging
 import time
 
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.control.jobstate import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
 from phalanx.control.store import NodeState, Store
 
@@ -46,10 +46,10 @@ class InPlaceRecovery:
     # ---- who serves the next generation ----------------------------------------------------------------
     def in_place(self, job: Job, gen: Generation) -> bool:
         """The generation ended by a fault its survivors recover from in their own processes."""
-        return job.recovery == seam.CHECKPOINTLESS and gen.outcome in IN_PLACE_OUTCOMES
+        return job.recovery == protocol.CHECKPOINTLESS and gen.outcome in IN_PLACE_OUTCOMES
 
     def _previous_in_place(self, job: Job, gen: Generation) -> Generation | None:
-        if job.recovery != seam.CHECKPOINTLESS or gen.generation == 1:  # (asked on every heartbeat)
+        if job.recovery != protocol.CHECKPOINTLESS or gen.generation == 1:  # (asked on every heartbeat)
             return None
         prev = self.records.generation(job.id, gen.generation - 1)
         return prev if prev is not None and self.in_place(job, prev) else None
@@ -77,7 +77,7 @@ class InPlaceRecovery:
         while (prev := self._previous_in_place(job, later)) is not None:
             for node in set(gen.nodes) & set(prev.nodes):
                 for i in range(per):
-                    sid = prev.standbys.get(str(prev.nodes.index(node) * per + i))
+                    sid = prev.standbys.get(str(protocol.rank_of(prev.nodes, node, i, per)))
                     if sid is not None:
                         out.setdefault((node, i), sid)
             later = prev
@@ -104,10 +104,10 @@ class InPlaceRecovery:
         past the time a real fault takes to show (a heartbeat timeout): a network error broke the collective.
         Without a new generation the survivors would wait out their recovery timeout, so this is a fault of
         its own, recovered in place with every process."""
-        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
+        if job.recovery != protocol.CHECKPOINTLESS or self.rendezvous is None:
             return []
         try:
-            left = self.rendezvous.add(seam.left_key(job.id, gen.generation), 0)
+            left = self.rendezvous.add(protocol.left_key(job.id, gen.generation), 0)
         except RuntimeError:
             return []
         key = (job.id, gen.generation)
@@ -166,12 +166,12 @@ class InPlaceRecovery:
     def finished(self, job: Job, gen: Generation, rows: list[WorkerRecord], now: float) -> bool:
         """Once rank 0 has said training finished (every rank past the last step and the final checkpoint), a
         rank that dies on its way out loses nothing: wait for all to exit, then succeed. True once handled."""
-        if job.recovery != seam.CHECKPOINTLESS or self.rendezvous is None:
+        if job.recovery != protocol.CHECKPOINTLESS or self.rendezvous is None:
             return False
         try:
-            if not self.rendezvous.check([seam.finished_key(job.id)]):
+            if not self.rendezvous.check([protocol.finished_key(job.id)]):
                 return False
-            finished = json.loads(self.rendezvous.get(seam.finished_key(job.id)))
+            finished = json.loads(self.rendezvous.get(protocol.finished_key(job.id)))
         except (RuntimeError, ValueError):
             return False
         # a worker on a node that is no longer healthy may never be reported again (its agent froze, or was
@@ -196,9 +196,9 @@ class InPlaceRecovery:
     def note_restored(self, job: Job, gen: Generation) -> None:
         """Once the generation's rank 0 reports how it restored its state, record it (and its recovery's
         events) once."""
-        if job.recovery != seam.CHECKPOINTLESS or gen.restored is not None or self.rendezvous is None:
+        if job.recovery != protocol.CHECKPOINTLESS or gen.restored is not None or self.rendezvous is None:
             return
-        key = seam.recovered_key(job.id, gen.generation)
+        key = protocol.recovered_key(job.id, gen.generation)
         try:
             if not self.rendezvous.check([key]):
                 return
@@ -230,8 +230,8 @@ class InPlaceRecovery:
     # ---- the store ---------------------------------------------------------------------------------------
     def publish(self, job: Job, gen: Generation) -> None:
         """The generation's layout and number, which checkpointless workers watch."""
-        if job.recovery == seam.CHECKPOINTLESS and self.rendezvous is not None:
-            seam.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, job.workers_per_node)
+        if job.recovery == protocol.CHECKPOINTLESS and self.rendezvous is not None:
+            protocol.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, job.workers_per_node)
 
     def republish(self) -> None:
         """A restarted controller's store is empty: publish the current generation of every active job again."""

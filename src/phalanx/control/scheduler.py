@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.control.health import restart_job_failures
 from phalanx.control.inplace import NODE_FAULTS, InPlaceRecovery
 from phalanx.control.jobstate import ACTIVE, FINAL, Generation, Job, JobRecords, JobState, WorkerRecord
@@ -92,10 +92,10 @@ class JobScheduler:
         if kind == "train":
             if config is None or not checkpoint_dir:
                 raise JobRequestError(422, "a train job needs its resolved config and checkpoint_dir")
-            argv = [sys.executable, "-m", seam.TRAIN_WORKER_MODULE]
+            argv = [sys.executable, "-m", protocol.TRAIN_WORKER_MODULE]
         elif not argv:
             raise JobRequestError(422, "a command job needs a command (`phalanx job submit --nodes N -- CMD ...`)")
-        if recovery == seam.CHECKPOINTLESS:
+        if recovery == protocol.CHECKPOINTLESS:
             if kind != "train":
                 raise JobRequestError(422, "--recovery checkpointless needs a training config: a command's state "
                                            "is unknown to Phalanx (use --auto-resume to rerun it on a fault)")
@@ -200,7 +200,7 @@ class JobScheduler:
                 if gen.stop_at is not None:
                     continue
                 per = job.workers_per_node
-                first = gen.nodes.index(node.name) * per
+                first = protocol.rank_of(gen.nodes, node.name, 0, per)
                 survivors = self.inplace.survivor_slots(job, gen)
                 carried = self.inplace.carried_standbys(job, gen) if survivors else {}
                 ranks = [{"rank": first + i, "local_rank": i,
@@ -284,7 +284,7 @@ class JobScheduler:
         if not faults:
             return
         self._record_faults(job, gen, faults, mark_faulty)
-        if job.recovery == seam.CHECKPOINTLESS and all(self.inplace.recoverable(f) for f in faults):
+        if job.recovery == protocol.CHECKPOINTLESS and all(self.inplace.recoverable(f) for f in faults):
             looping = self.inplace.regroup_failing(job, gen)
             if looping is None:
                 return self.inplace.recover(job, gen, faults)
@@ -530,9 +530,9 @@ class JobScheduler:
                     standby = ready.get(str(local))
                     if standby is None:
                         continue  # its agent starts a fresh process for this rank
-                    rank = gen.nodes.index(name) * per + local
-                    env = seam.worker_env(self._placement(job, gen, name, rank, local), base=self._worker_env(job))
-                    self.rendezvous.set(seam.standby_key(standby), seam.standby_assignment(
+                    rank = protocol.rank_of(gen.nodes, name, local, per)
+                    env = protocol.worker_env(self._placement(job, gen, name, rank, local), base=self._worker_env(job))
+                    self.rendezvous.set(protocol.standby_key(standby), protocol.standby_assignment(
                         self.token, standby, env, str(Path(job.job_dir) / "logs" / f"rank{rank}.log")))
                     used[str(rank)] = standby
             if used:
@@ -548,8 +548,8 @@ class JobScheduler:
         with self.lock:
             self.inplace.republish()
 
-    def _placement(self, job: Job, gen: Generation, node: str, rank: int, local: int) -> seam.WorkerPlacement:
-        return seam.WorkerPlacement(
+    def _placement(self, job: Job, gen: Generation, node: str, rank: int, local: int) -> protocol.WorkerPlacement:
+        return protocol.WorkerPlacement(
             job_id=job.id, generation=gen.generation, rank=rank, world_size=job.world_size, local_rank=local,
             local_world_size=job.workers_per_node, master_addr=gen.master_addr, master_port=gen.master_port,
             store_addr=gen.store_addr or "", checkpoint_dir=job.checkpoint_dir, cluster_token=self.token,

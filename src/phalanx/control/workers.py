@@ -7,13 +7,13 @@ An *assignment* (in a heartbeat reply) is one generation of one job on this node
      "master_addr", "master_port", "store_addr", "checkpoint_dir", "config_path",
      "ranks": [{"rank", "local_rank"}], "progress": {"<rank>": {"step", "beat"}}, "hang_detection": bool}
 
-Workers are started with `seam.worker_env`, each in a process group of its own (a stop reaches its
+Workers are started with `protocol.worker_env`, each in a process group of its own (a stop reaches its
 children) inside the node's session (killing the node kills them too). Output goes to LOG_DIR/rank{R}.log,
 appended across generations, with a header and a footer line per run. A worker the controller stops gets
 SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
 
-Hang detection: the controller relays each rank's progress and liveness beat (`seam.progress_key`,
-`seam.alive_key`) in every reply. When one rank of a collective job hangs, every rank stops progressing —
+Hang detection: the controller relays each rank's progress and liveness beat (`protocol.progress_key`,
+`protocol.alive_key`) in every reply. When one rank of a collective job hangs, every rank stops progressing —
 the others wait for it — so progress alone cannot name the culprit; the beat can:
   frozen   no progress and no beat for `hang_timeout_s` (the process itself is stuck: SIGSTOP, a stalled
            host): SIGKILLed at once and reported as hung (`frozen`), which the controller treats as a node
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from phalanx.control import seam
+from phalanx import protocol
 
 log = logging.getLogger("phalanx.agent.workers")
 STOP_GRACE_S = 3.0
@@ -151,7 +151,7 @@ class WorkerSupervisor:
                     key = (a["job"], a["generation"], r["rank"])
                     w = self.workers.get(key)
                     if w is None:
-                        w = self._carry(a, r) if a.get("recovery") == seam.CHECKPOINTLESS else None
+                        w = self._carry(a, r) if a.get("recovery") == protocol.CHECKPOINTLESS else None
                         self.workers[key] = w or self._adopt(a, r) or self._start(a, r["rank"], r["local_rank"])
                         continue
                     if w.state != "running":
@@ -262,10 +262,10 @@ class WorkerSupervisor:
                 continue
             self._standby_seq += 1
             sid = f"{self.node}.{slot}.{os.getpid()}.{self._standby_seq}"
-            env = {**os.environ, seam.STORE_ADDR: addr, seam.NODE: self.node, seam.LOCAL_RANK: str(slot),
-                   seam.STANDBY_ID: sid, seam.CLUSTER_TOKEN: self.token}
+            env = {**os.environ, protocol.STORE_ADDR: addr, protocol.NODE: self.node, protocol.LOCAL_RANK: str(slot),
+                   protocol.STANDBY_ID: sid, protocol.CLUSTER_TOKEN: self.token}
             with open(self.work_dir / f"standby-{slot}.log", "ab") as out:
-                proc = subprocess.Popen([sys.executable, "-m", seam.TRAIN_WORKER_MODULE, "--standby"], env=env,
+                proc = subprocess.Popen([sys.executable, "-m", protocol.TRAIN_WORKER_MODULE, "--standby"], env=env,
                                         cwd=self.work_dir, stdin=subprocess.DEVNULL, stdout=out,
                                         stderr=subprocess.STDOUT, **_own_process_group())
             self.standbys[slot] = Standby(sid, slot, proc)
@@ -276,14 +276,14 @@ class WorkerSupervisor:
             return {str(s): sb.id for s, sb in self.standbys.items() if sb.proc.poll() is None}
 
     def _start(self, a: dict, rank: int, local_rank: int) -> Worker:
-        placement = seam.WorkerPlacement(
+        placement = protocol.WorkerPlacement(
             job_id=a["job"], generation=a["generation"], rank=rank, world_size=a["world_size"],
             local_rank=local_rank, local_world_size=a["local_world_size"], master_addr=a["master_addr"],
             master_port=a["master_port"], store_addr=a["store_addr"], checkpoint_dir=a["checkpoint_dir"],
             cluster_token=self.token, config_path=a.get("config_path"), node=self.node,
             recovery=a.get("recovery", "restart"),
         )
-        env = seam.worker_env(placement, base={**os.environ, **a.get("env", {})})
+        env = protocol.worker_env(placement, base={**os.environ, **a.get("env", {})})
         log_path = Path(a["log_dir"]) / f"rank{rank}.log"
         w = Worker(a["job"], a["generation"], rank, local_rank, pid=None, started_at=time.time(), log_path=log_path,
                    last_change=time.monotonic())

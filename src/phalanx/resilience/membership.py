@@ -1,10 +1,10 @@
 """A checkpointless worker's view of its job's generations, through the controller's store (the seam).
 
-The controller publishes each generation's layout and then its number (`seam.publish_generation`). A
+The controller publishes each generation's layout and then its number (`protocol.publish_generation`). A
 worker finds its rank in a layout from its node and local rank, so a survivor keeps its place and a
-replacement takes the failed one's. Process groups rendezvous on `PrefixStore(seam.pg_prefix(job, g))` of
+replacement takes the failed one's. Process groups rendezvous on `PrefixStore(protocol.pg_prefix(job, g))` of
 that store — it lives in the controller, so it outlives any rank (rank 0 included). Every key goes through
-`seam.connect_store`, under the namespace derived from the cluster token (PHALANX_CLUSTER_TOKEN).
+`protocol.connect_store`, under the namespace derived from the cluster token (PHALANX_CLUSTER_TOKEN).
 
 `arrive()` counts this rank in and waits until every rank of the generation has arrived before
 `init_process_group` (which would otherwise block, uninterruptibly, on a rank that will never come); a
@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.resilience.regroup_store import RegroupStore
 
 log = logging.getLogger("phalanx.membership")
@@ -62,7 +62,7 @@ class Placement:
 class Membership:
     def __init__(self, store_addr: str, job_id: str, node: str, local_rank: int, *, timeout_s: float = 30.0,
                  token: str | None = None):
-        self.host, self.port = seam.parse_store_addr(store_addr)
+        self.host, self.port = protocol.parse_store_addr(store_addr)
         self.store_addr, self.token = store_addr, token
         self.job_id, self.node, self.local_rank = job_id, node, local_rank
         self.timeout = timedelta(seconds=timeout_s)
@@ -77,25 +77,25 @@ class Membership:
     @classmethod
     def from_env(cls, env=None) -> "Membership":
         env = os.environ if env is None else env
-        return cls(env[seam.STORE_ADDR], env[seam.JOB_ID], env[seam.NODE], int(env[seam.LOCAL_RANK]),
-                   token=env.get(seam.CLUSTER_TOKEN))
+        return cls(env[protocol.STORE_ADDR], env[protocol.JOB_ID], env[protocol.NODE], int(env[protocol.LOCAL_RANK]),
+                   token=env.get(protocol.CLUSTER_TOKEN))
 
     def _connect(self):
-        return seam.connect_store(self.store_addr, self.token, self.timeout)
+        return protocol.connect_store(self.store_addr, self.token, self.timeout)
 
     # ---- generations ----------------------------------------------------------------------------------
     def latest(self, store=None) -> int:
         store = store or self.store
-        key = seam.generation_key(self.job_id)
+        key = protocol.generation_key(self.job_id)
         return int(store.get(key)) if store.check([key]) else 0
 
     def placement(self, generation: int) -> Placement:
-        layout = json.loads(self.store.get(seam.layout_key(self.job_id, generation)))
+        layout = json.loads(self.store.get(protocol.layout_key(self.job_id, generation)))
         nodes = layout["nodes"]
         if self.node not in nodes:
             raise NotInGeneration(f"node {self.node} has no place in generation {generation} (nodes: "
                                   f"{', '.join(nodes)})")
-        rank = nodes.index(self.node) * layout["workers_per_node"] + self.local_rank
+        rank = protocol.rank_of(nodes, self.node, self.local_rank, layout["workers_per_node"])
         return Placement(generation, rank, layout["world_size"], tuple(nodes))
 
     def wait_for_newer(self, than: int, timeout_s: float) -> int:
@@ -131,12 +131,12 @@ class Membership:
         Exactly one process holds a rank in a generation: the first to claim it. Another process that finds
         the rank taken (a stale standby beside a fresh process, say) raises `RankTaken` before it is counted:
         two processes as one rank would leave another rank missing and every peer waiting for it."""
-        claim = f"{seam.joined_key(self.job_id, p.generation)}/claim/{p.rank}"
+        claim = f"{protocol.joined_key(self.job_id, p.generation)}/claim/{p.rank}"
         holder = self.store.compare_set(claim, "", self.identity).decode()
         if holder != self.identity:
             raise RankTaken(f"rank {p.rank} of generation {p.generation} is already held by process {holder}; "
                             f"this process ({self.identity}) stays out")
-        key = seam.joined_key(self.job_id, p.generation)
+        key = protocol.joined_key(self.job_id, p.generation)
         self.store.add(key, 1)
         deadline = time.monotonic() + timeout_s
         while (n := self.store.add(key, 0)) < p.world_size:
@@ -156,7 +156,7 @@ class Membership:
             latest = self.latest()
             return latest if latest > p.generation else 0
 
-        prefixed = dist.PrefixStore(seam.pg_prefix(self.job_id, p.generation), self.store)
+        prefixed = dist.PrefixStore(protocol.pg_prefix(self.job_id, p.generation), self.store)
         # torch keeps only a C++ reference to a Python store: the Python object must outlive the groups, or
         # torch's calls into it fail ("Not implemented")
         self.regroup_store = RegroupStore(prefixed, newer=newer, superseded=lambda g: Superseded(p.generation, g),
@@ -167,13 +167,13 @@ class Membership:
     def report_left(self, generation: int) -> None:
         """This rank left `generation` after a failed collective (the controller regroups the job if no
         worker or node fault follows)."""
-        self.store.add(seam.left_key(self.job_id, generation), 1)
+        self.store.add(protocol.left_key(self.job_id, generation), 1)
 
     def report_finished(self, step: int) -> None:
-        self.store.set(seam.finished_key(self.job_id), json.dumps({"step": step, "time": time.time()}))
+        self.store.set(protocol.finished_key(self.job_id), json.dumps({"step": step, "time": time.time()}))
 
     def report_recovered(self, generation: int, summary: dict) -> None:
-        self.store.set(seam.recovered_key(self.job_id, generation), json.dumps(summary))
+        self.store.set(protocol.recovered_key(self.job_id, generation), json.dumps(summary))
 
     # ---- watching while training --------------------------------------------------------------------------
     def watch(self, generation: int) -> None:

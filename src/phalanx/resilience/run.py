@@ -23,7 +23,7 @@ controller treats it as an application error (restart from the checkpoint, count
 A survivor that waits longer than `resilience.recovery_timeout_s` for a new generation exits with code 3.
 
 Rank 0 of each generation writes the recovery to `metrics.jsonl` (fault_detected, generation, pg_rebuilt,
-state_restored with bytes and seconds, resumed) and tells the controller (`seam.recovered_key`).
+state_restored with bytes and seconds, resumed) and tells the controller (`protocol.recovered_key`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.resilience.drill import Drill
 from phalanx.resilience.membership import Membership, NotInGeneration, RankTaken, Superseded
 from phalanx.resilience.plan import LIVE, Copy, Holding, choose_plan
@@ -189,10 +189,10 @@ class CheckpointlessRun:
         self.config, self.device, self.backend = config, device, backend
         self.settings = config.resilience
         self.membership = Membership.from_env(env)
-        self.workers_per_node = int(env.get(seam.LOCAL_WORLD_SIZE, "1"))
-        self.generation = int(env[seam.GENERATION])
-        self.process_started_at = float(env.get("PHALANX_ACTIVATED_AT") or time.time())
-        from phalanx.control.seam import progress_reporter
+        self.workers_per_node = int(env.get(protocol.LOCAL_WORLD_SIZE, "1"))
+        self.generation = int(env[protocol.GENERATION])
+        self.process_started_at = float(env.get(protocol.ACTIVATED_AT) or time.time())
+        from phalanx.protocol import progress_reporter
 
         self.reporter = progress_reporter(env)
         self.shelf = SnapshotShelf()

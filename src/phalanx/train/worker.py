@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from phalanx.control import seam
+from phalanx import protocol
 from phalanx.process import exit_without_teardown
 from phalanx.train.config import ConfigError, TrainConfig, config_from_dict, load_config
 
@@ -48,7 +48,7 @@ def run(config_tree: dict | TrainConfig) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     device, backend = select_device()
-    if os.environ.get(seam.RECOVERY) == seam.CHECKPOINTLESS and os.environ.get(seam.STORE_ADDR):
+    if os.environ.get(protocol.RECOVERY) == protocol.CHECKPOINTLESS and os.environ.get(protocol.STORE_ADDR):
         from phalanx.resilience.run import run_checkpointless
 
         try:
@@ -56,7 +56,7 @@ def run(config_tree: dict | TrainConfig) -> int:
         except (ConfigError, DataError, ParallelConfigError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 2
-    if config.resilience.recovery == seam.CHECKPOINTLESS:
+    if config.resilience.recovery == protocol.CHECKPOINTLESS:
         log.warning("resilience.recovery=checkpointless needs a Phalanx cluster (phalanx job submit); without "
                     "one a failure ends the run and a restart resumes from the newest checkpoint")
     init_process_group(backend, timedelta(seconds=config.pg_timeout_s))
@@ -81,11 +81,11 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     store, each attempt gets its own key prefix: the store outlives the attempt, and torch (2.13) no longer
     prefixes it per attempt, so restarted ranks would read the dead attempt's gloo addresses and fail with
     "connection refused". Under a node agent (and `phalanx train`), rank 0 serves the rendezvous on
-    MASTER_ADDR only, keys under the cluster's namespace (`seam.env_rendezvous_store`): env://'s rank 0
+    MASTER_ADDR only, keys under the cluster's namespace (`protocol.env_rendezvous_store`): env://'s rank 0
     would listen on every interface."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = None if agent_store else seam.env_rendezvous_store(os.environ, timeout)
+    store = None if agent_store else protocol.env_rendezvous_store(os.environ, timeout)
     if store is not None:
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
@@ -103,7 +103,7 @@ def report_progress(trainer):
     """Under a Phalanx node agent, publish each finished step to the seam's progress key (the agent's hang
     detector reads it) and return the reporter; None otherwise. One store write per step, done on a background
     thread."""
-    from phalanx.control.seam import progress_reporter
+    from phalanx.protocol import progress_reporter
 
     reporter = progress_reporter()
     if reporter is None:
@@ -122,7 +122,7 @@ def report_progress(trainer):
 
 def wait_as_standby() -> None:
     """`--standby`: a warm spare's worker. Import what training needs now, then wait for the rank this
-    process must become (the controller writes its env to `seam.standby_key`); adopt that env and its log
+    process must become (the controller writes its env to `protocol.standby_key`); adopt that env and its log
     file, and return to run as that rank."""
     import time
 
@@ -136,19 +136,19 @@ def wait_as_standby() -> None:
         log.warning("standby warm-up failed (%s: %s); the first step after adoption will be slower",
                     type(err).__name__, err)
 
-    token = os.environ.get(seam.CLUSTER_TOKEN, "")
-    key = seam.standby_key(os.environ[seam.STANDBY_ID])
+    token = os.environ.get(protocol.CLUSTER_TOKEN, "")
+    key = protocol.standby_key(os.environ[protocol.STANDBY_ID])
     print(f"standby for {key}: warm (torch {torch.__version__}, warm-up {time.perf_counter() - started:.2f} s), "
           "waiting", flush=True)
     store = None
     while True:
         try:
-            store = store or seam.connect_store(os.environ[seam.STORE_ADDR], token, timedelta(seconds=10))
+            store = store or protocol.connect_store(os.environ[protocol.STORE_ADDR], token, timedelta(seconds=10))
             if store.check([key]):
                 raw = store.get(key)
                 store.delete_key(key)
                 try:  # signed by the controller for this standby; anyone reaching the store could write the key
-                    assignment = seam.open_standby_assignment(token, os.environ[seam.STANDBY_ID], raw)
+                    assignment = protocol.open_standby_assignment(token, os.environ[protocol.STANDBY_ID], raw)
                     break
                 except ValueError as err:
                     log.warning("ignored an assignment on %s (%s); still waiting", key, err)
@@ -157,14 +157,14 @@ def wait_as_standby() -> None:
             time.sleep(0.5)
         time.sleep(0.01)
     os.environ.update(assignment["env"])
-    os.environ["PHALANX_ACTIVATED_AT"] = repr(time.time())
+    os.environ[protocol.ACTIVATED_AT] = repr(time.time())
     log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    print(f"=== phalanx: warm standby activated as rank {os.environ[seam.RANK]} ===", flush=True)
+    print(f"=== phalanx: warm standby activated as rank {os.environ[protocol.RANK]} ===", flush=True)
 
 
 def main() -> int:
@@ -194,12 +194,12 @@ def resolve_config(argv: list[str], environ) -> TrainConfig:
     is unset, the first argument does; `key.sub=value` overrides come from PHALANX_OVERRIDES (shell-quoted,
     space-separated), then from the remaining arguments. Raises ConfigError."""
     args = [a for a in argv if a != "--standby"]
-    path = environ.get(seam.CONFIG)
+    path = environ.get(protocol.CONFIG)
     if not path and args and "=" not in args[0]:
         path, args = args[0], args[1:]
     if not path:
-        raise ConfigError(f"{seam.CONFIG} is not set; set it to a training recipe (YAML) or config JSON, e.g. "
-                          f"{seam.CONFIG}=recipes/tiny-llama.yaml, or pass the recipe as the first argument")
+        raise ConfigError(f"{protocol.CONFIG} is not set; set it to a training recipe (YAML) or config JSON, e.g. "
+                          f"{protocol.CONFIG}=recipes/tiny-llama.yaml, or pass the recipe as the first argument")
     try:
         overrides = shlex.split(environ.get("PHALANX_OVERRIDES", ""))
     except ValueError as err:

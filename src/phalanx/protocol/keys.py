@@ -1,0 +1,83 @@
+"""The store keys of the seam (all under the cluster's namespace, see `phalanx.protocol.store`): a worker's
+progress and liveness beat, a checkpointless generation's layout, arrivals, departures and recovery summary,
+and a warm standby's assignment. The package docstring lists them with their meaning.
+
+Must not know: who serves the store or how it is secured (`store.py`); imports torch only inside
+`read_progress`, which needs a live store.
+"""
+
+from __future__ import annotations
+
+import json
+
+def generation_prefix(job_id: str, generation: int) -> str:
+    """Key prefix of one generation of a job; workers build process groups on PrefixStore(this, store)."""
+    return f"{job_id}/gen{generation}"
+
+
+def progress_key(job_id: str, generation: int, rank: int) -> str:
+    """Store key holding the last step `rank` finished in this generation (an ASCII integer)."""
+    return f"{generation_prefix(job_id, generation)}/progress/{rank}"
+
+
+def alive_key(job_id: str, generation: int, rank: int) -> str:
+    """Store key of the liveness counter rank `rank` bumps every BEAT_S (an ASCII integer)."""
+    return f"{generation_prefix(job_id, generation)}/alive/{rank}"
+
+
+def generation_key(job_id: str) -> str:
+    """Store key holding the newest generation of a job (checkpointless jobs watch it)."""
+    return f"{job_id}/generation"
+
+
+def layout_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/layout"
+
+
+def pg_prefix(job_id: str, generation: int) -> str:
+    """The PrefixStore prefix a checkpointless generation's process groups rendezvous under."""
+    return f"{generation_prefix(job_id, generation)}/pg"
+
+
+def joined_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/joined"
+
+
+def recovered_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/recovered"
+
+
+def left_key(job_id: str, generation: int) -> str:
+    return f"{generation_prefix(job_id, generation)}/left"
+
+
+def finished_key(job_id: str) -> str:
+    """Checkpointless: set by rank 0 once every rank has completed the last step and its final checkpoint —
+    an exit after that (however it ends) loses nothing, and the controller ends the job instead of recovering."""
+    return f"{job_id}/finished"
+
+
+def standby_key(standby_id: str) -> str:
+    """Where the warm standby worker `standby_id` waits for the env of the rank it must become. Ids are
+    unique (node, slot, sequence): a key is only ever read by the process it was written for."""
+    return f"standby/{standby_id}"
+
+
+def publish_generation(store, job_id: str, generation: int, nodes: list[str], workers_per_node: int) -> None:
+    """Controller side: the layout first, then the generation number (a watcher that sees the number can
+    read the layout)."""
+    layout = {"nodes": list(nodes), "workers_per_node": workers_per_node,
+              "world_size": len(nodes) * workers_per_node}
+    store.set(layout_key(job_id, generation), json.dumps(layout))
+    store.set(generation_key(job_id), str(generation))
+
+
+def read_progress(store, job_id: str, generation: int, ranks: list[int]) -> dict[int, dict]:
+    """Controller side: rank → {"step": last reported step, "beat": liveness counter} (None before the first
+    report). `store`: a TCPStore."""
+    out: dict[int, dict] = {}
+    for rank in ranks:
+        keys = {"step": progress_key(job_id, generation, rank), "beat": alive_key(job_id, generation, rank)}
+        # get() would block on a missing key: check first
+        out[rank] = {name: int(store.get(key)) if store.check([key]) else None for name, key in keys.items()}
+    return out

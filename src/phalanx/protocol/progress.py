@@ -1,0 +1,130 @@
+"""Worker side of progress reporting: `ProgressReporter` publishes the last finished step and a liveness beat
+from a background thread (a training step never waits on the store), survives a store outage (a controller
+restart recreates the store empty on the same port) by reconnecting and re-publishing, and moves to a new
+generation's keys when a checkpointless worker regroups (`switch`).
+
+Must not know: how the controller judges hangs (the agent's hang rule reads what this publishes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Mapping
+
+from phalanx.protocol.env import CLUSTER_TOKEN, GENERATION, JOB_ID, RANK, STORE_ADDR, parse_store_addr
+from phalanx.protocol.keys import alive_key, progress_key
+from phalanx.protocol.store import connect_store
+
+BEAT_S = 0.5  # how often a worker's reporter bumps its liveness counter
+log = logging.getLogger("phalanx.progress")
+
+
+class ProgressReporter:
+    """Worker side: publishes the last finished step, and a liveness beat every `beat_s`.
+
+    `report(step)` only records the number and wakes a daemon thread, which does the store I/O. A failed
+    write (the store went away: the controller is restarting) is logged once; the thread reconnects every
+    `retry_s` and re-publishes the latest step, while training goes on.
+    """
+
+    def __init__(self, store_addr: str, job_id: str, generation: int, rank: int, *, beat_s: float = BEAT_S,
+                 retry_s: float = 1.0, timeout_s: float = 2.0, token: str | None = None):
+        self.host, self.port = parse_store_addr(store_addr)
+        self.store_addr, self.token = store_addr, token  # token: keys under the cluster's namespace
+        self.job_id = job_id
+        self.step_key = progress_key(job_id, generation, rank)
+        self.beat_key = alive_key(job_id, generation, rank)
+        self._keys_version = 0
+        self.beat_s = beat_s
+        self.retry_s = retry_s
+        self.timeout = timedelta(seconds=timeout_s)
+        self._step: int | None = None
+        self._published: int | None = None  # the newest step the store has (for `flush`)
+        self._published_version = 0  # the keys `_published` went to (for `switch`)
+        self._closed = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._publish_loop, name="phalanx-progress", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop publishing (a worker process simply exits; this is for long-lived callers and tests)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until the newest reported step is in the store: a worker calls it before
+        it exits, so the controller knows the last step even when the store came back only moments before (a
+        restarted controller). True once published."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._published == self._step or self._closed, timeout=timeout_s)
+
+    def switch(self, generation: int, rank: int, wait_s: float = 0.0) -> bool:
+        """A checkpointless worker moved into a new generation (perhaps as another rank): publish there, the
+        step it carries at once and its beat from now on, so that its agent can tell it frozen while it
+        regroups. Waits (at most `wait_s`) until the new keys are in the store; True once they are."""
+        with self._cond:
+            self.step_key = progress_key(self.job_id, generation, rank)
+            self.beat_key = alive_key(self.job_id, generation, rank)
+            self._keys_version += 1
+            version = self._keys_version
+            self._cond.notify()
+            return self._cond.wait_for(lambda: self._published_version == version or self._closed, timeout=wait_s)
+
+    def report(self, step: int) -> None:
+        with self._cond:
+            if step != self._step:
+                self._step = step
+                self._cond.notify()
+
+    def _connect(self):
+        return connect_store(self.store_addr, self.token, self.timeout)
+
+    def _publish_loop(self) -> None:
+        store, published, failing, beat, next_beat, version = None, None, False, 0, 0.0, 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._step != published or self._closed or self._keys_version != version,
+                                    timeout=max(0.0, next_beat - time.monotonic()))
+                if self._closed:
+                    return
+                if self._keys_version != version:  # new keys: publish everything there at once
+                    version, published, next_beat = self._keys_version, None, 0.0
+                step, step_key, beat_key = self._step, self.step_key, self.beat_key
+            try:
+                if store is None:
+                    store = self._connect()
+                if time.monotonic() >= next_beat:
+                    beat += 1
+                    store.set(beat_key, str(beat))
+                    next_beat = time.monotonic() + self.beat_s
+                if step != published and step is not None:
+                    store.set(step_key, str(step))
+                store.check([beat_key])  # a set() into a dead connection may not fail; this round trip does
+            except (RuntimeError, OSError) as err:  # torch's DistStoreError/DistNetworkError are RuntimeErrors
+                if not failing:
+                    log.warning("progress store %s:%d unreachable (%s); training continues, next: reconnecting "
+                                "every %g s and re-publishing step %s", self.host, self.port,
+                                str(err).splitlines()[0], self.retry_s, step)
+                failing, store, next_beat = True, None, 0.0
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed, timeout=self.retry_s)
+                continue
+            if failing:
+                log.info("progress store %s:%d reachable again; published step %s", self.host, self.port, step)
+            failing, published = False, step
+            with self._cond:
+                self._published, self._published_version = step, version
+                self._cond.notify_all()
+
+
+def progress_reporter(env: Mapping[str, str] | None = None) -> ProgressReporter | None:
+    """The reporter for a worker an agent started (None otherwise: plain `phalanx train`, torchrun)."""
+    env = os.environ if env is None else env
+    if not env.get(STORE_ADDR) or not env.get(JOB_ID):
+        return None
+    return ProgressReporter(env[STORE_ADDR], env[JOB_ID], int(env[GENERATION]), int(env[RANK]),
+                            token=env.get(CLUSTER_TOKEN))
