@@ -59,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, cpu_env, median, summary_of, write_results  # noqa: E402
 
-from phalanx.control.backend import child_with_env  # noqa: E402
+from phalanx.control.backends.local import child_with_env  # noqa: E402
 from phalanx.train.timeline import recovery_figures  # noqa: E402
 
 NODES = 4
@@ -117,8 +117,8 @@ class PhalanxHarness:
             self.client, self.jobs, self.owner = cluster.client, cluster.jobs, False
             return
         self.owner = True
-        from phalanx.control.cluster import ClusterClient, create_cluster
-        from phalanx.control.jobs import JobClient
+        from phalanx.control.client.cluster import ClusterClient, create_cluster
+        from phalanx.control.client.jobs import JobClient
 
         os.environ["PHALANX_HOME"] = str(root / "home")
         spec = root / f"{self.cluster_name}.yaml"
@@ -193,7 +193,7 @@ class PhalanxHarness:
         return median([s["tokens_per_s"] for s in steps if "event" not in s][warmup:])
 
     def close(self) -> None:
-        from phalanx.control.cluster import delete_cluster
+        from phalanx.control.client.cluster import delete_cluster
 
         if self.owner:
             delete_cluster(self.cluster_name, timeout_s=30)

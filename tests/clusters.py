@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from phalanx.control.backend import process_running, processes_mentioning, session_members
-from phalanx.control.cluster import delete_cluster
-from phalanx.control.paths import ClusterPaths, list_clusters
-from phalanx.control.store import Store
+from phalanx.control.backends.local import process_running, processes_mentioning, session_members
+from phalanx.control.client.cluster import delete_cluster
+from phalanx.control.state.paths import ClusterPaths, list_clusters
+from phalanx.control.state.store import Store
 
 
 @pytest.fixture

@@ -23,14 +23,14 @@ from typer.testing import CliRunner
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from phalanx.cli import app
 from phalanx import protocol
-from phalanx.control.backend import AGENT_MODULE, process_group_members, process_running, processes_mentioning
-from phalanx.control.cluster import (ClusterClient, CreateFailed, controller_pid, create_cluster, delete_cluster,
+from phalanx.control.backends.local import AGENT_MODULE, process_group_members, process_running, processes_mentioning
+from phalanx.control.client.cluster import (ClusterClient, CreateFailed, controller_pid, create_cluster, delete_cluster,
                                      start_controller)
-from phalanx.control.health import (REPLACE_NODE, RESTART_JOB, GpuMonitor, check_workers, report,
+from phalanx.control.agent.health import (REPLACE_NODE, RESTART_JOB, GpuMonitor, check_workers, report,
                                     restart_job_failures, xid_check)
-from phalanx.control.paths import ClusterPaths, list_clusters
+from phalanx.control.state.paths import ClusterPaths, list_clusters
 from phalanx.control.spec import SpecError, load_spec
-from phalanx.control.store import IllegalTransition, NodeState, Store
+from phalanx.control.state.store import IllegalTransition, NodeState, Store
 
 runner = CliRunner()
 

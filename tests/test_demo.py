@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from clusters import home  # noqa: F401  (fixture: private PHALANX_HOME, fails on leftover processes)
-from phalanx.control.paths import list_clusters
+from phalanx.control.state.paths import list_clusters
 from phalanx.train.timeline import attempts, recovery_figures
 
 

@@ -24,11 +24,11 @@ from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
 from phalanx.cli import app
 from phalanx import protocol
-from phalanx.control.backend import process_running, processes_mentioning, session_members
-from phalanx.control.cluster import ClusterClient, controller_pid, create_cluster, delete_cluster, start_controller
-from phalanx.control.jobs import JobClient, JobError
-from phalanx.control.paths import ClusterPaths, list_clusters
-from phalanx.control.store import Store
+from phalanx.control.backends.local import process_running, processes_mentioning, session_members
+from phalanx.control.client.cluster import ClusterClient, controller_pid, create_cluster, delete_cluster, start_controller
+from phalanx.control.client.jobs import JobClient, JobError
+from phalanx.control.state.paths import ClusterPaths, list_clusters
+from phalanx.control.state.store import Store
 from phalanx.train.checkpoint import committed_steps
 from phalanx.train.config import ConfigError, dump_config
 from phalanx.train.metrics import read_metrics
@@ -116,7 +116,7 @@ def test_progress_reporter_survives_a_store_restart(tmp_path):
 
     import torch.distributed as dist
 
-    from phalanx.control.backend import free_port
+    from phalanx.control.backends.local import free_port
 
     port = free_port()
     serve = [PY, "-c", f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, is_master=True, "
@@ -151,7 +151,7 @@ def test_hang_rule_kills_a_frozen_worker_first_and_a_stalled_one_only_later():
     """Progress and beat relayed as an agent sees them; the worker is a real process in its own group."""
     import subprocess
 
-    from phalanx.control.workers import Worker, WorkerSupervisor
+    from phalanx.control.agent.supervisor import Worker, WorkerSupervisor
 
     sup = WorkerSupervisor("n0", "t", hang_timeout_s=2.0, wake=lambda: None)
     sup.relay_up = True
@@ -202,7 +202,7 @@ def test_a_survivor_that_dies_between_generations_is_the_new_generations_fault(t
     was the previous generation's fault (no `carry`) gets a fresh process."""
     import subprocess
 
-    from phalanx.control.workers import Worker, WorkerSupervisor
+    from phalanx.control.agent.supervisor import Worker, WorkerSupervisor
 
     sup = WorkerSupervisor("n0", "t", hang_timeout_s=60.0, wake=lambda: None)
     started = []

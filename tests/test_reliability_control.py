@@ -24,11 +24,11 @@ from typer.testing import CliRunner
 
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from phalanx.cli import app
-from phalanx.control.backend import processes_mentioning
-from phalanx.control.cluster import ClusterClient, create_cluster
+from phalanx.control.backends.local import processes_mentioning
+from phalanx.control.client.cluster import ClusterClient, create_cluster
 from phalanx.control.http import readable_detail
-from phalanx.control.jobs import JobClient, timeout_warning
-from phalanx.control.paths import ClusterPaths, list_clusters
+from phalanx.control.client.jobs import JobClient, timeout_warning
+from phalanx.control.state.paths import ClusterPaths, list_clusters
 from phalanx.control.spec import LOCAL_MAX_NODES, HealthSpec, SpecError, load_spec
 
 runner = CliRunner()
@@ -168,7 +168,7 @@ def test_cluster_and_job_commands_do_not_import_torch(tmp_path):
 def test_tables_keep_their_width_when_not_writing_to_a_terminal(monkeypatch):
     from rich.table import Table
 
-    from phalanx.control.cli import WideConsole
+    from phalanx.control.client.cli import WideConsole
 
     monkeypatch.delenv("COLUMNS", raising=False)
     buf = io.StringIO()

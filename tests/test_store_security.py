@@ -28,8 +28,8 @@ import pytest
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
 from phalanx import protocol
-from phalanx.control.backend import free_port
-from phalanx.control.controller import start_rendezvous_store
+from phalanx.control.backends.local import free_port
+from phalanx.control.server.daemon import start_rendezvous_store
 
 TOKEN = "a-cluster-token-for-this-test"
 TIMEOUT = timedelta(seconds=10)
@@ -228,9 +228,9 @@ def test_a_standby_assignment_holds_no_token_and_a_forged_one_is_refused():
 def test_a_running_jobs_stores_listen_on_loopback_only_and_hide_its_keys(tmp_path, home, demo_data):
     import torch.distributed as dist
 
-    from phalanx.control.cluster import ClusterClient, create_cluster
-    from phalanx.control.jobs import JobClient
-    from phalanx.control.paths import ClusterPaths
+    from phalanx.control.client.cluster import ClusterClient, create_cluster
+    from phalanx.control.client.jobs import JobClient
+    from phalanx.control.state.paths import ClusterPaths
     from test_jobs import step_at_least, write_config, write_spec
 
     create_cluster(write_spec(tmp_path, count=2, spares=0), timeout_s=60)

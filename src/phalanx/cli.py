@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from phalanx.control.cli import cluster_app, fault_app
-from phalanx.control.job_cli import job_app
+from phalanx.control.client.cli import cluster_app, fault_app
+from phalanx.control.client.job_cli import job_app
 from phalanx.data.cli import data_app
 
 app = typer.Typer(help="Phalanx: self-healing foundation-model training on PyTorch.", no_args_is_help=True)
@@ -84,8 +84,8 @@ def demo(
     overrides: list[str] = typer.Argument(None, help="config overrides, key=value"),
 ) -> None:
     """Create a local cluster, train RECIPE with auto-resume, kill a node halfway, show the recovery, delete it."""
-    from phalanx.control.cluster import ClusterError
-    from phalanx.control.jobs import JobError
+    from phalanx.control.client.cluster import ClusterError
+    from phalanx.control.client.jobs import JobError
     from phalanx.data import DataError
     from phalanx.demo import run_demo
     from phalanx.train.config import ConfigError
@@ -128,9 +128,9 @@ def chaos(
 
     from phalanx.chaos import JobShape, Settings, SoakError, ci_plan, make_plan, run_soak
     from phalanx.chaos.report import row, summary_line, trials_table
-    from phalanx.control.cli import WideConsole
-    from phalanx.control.cluster import ClusterError
-    from phalanx.control.jobs import JobError
+    from phalanx.control.client.cli import WideConsole
+    from phalanx.control.client.cluster import ClusterError
+    from phalanx.control.client.jobs import JobError
 
     console = WideConsole(highlight=False)  # a piped or logged table keeps its width
     modes = {"both": ("checkpointless", "restart"), "checkpointless": ("checkpointless",),

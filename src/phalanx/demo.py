@@ -20,8 +20,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from phalanx.control.cluster import ClusterClient, create_cluster, delete_cluster
-from phalanx.control.jobs import JobClient
+from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
+from phalanx.control.client.jobs import JobClient
 from phalanx.train.config import load_config
 from phalanx.train.timeline import recovery_figures
 

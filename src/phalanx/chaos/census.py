@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phalanx.control.backend import process_running, session_members
+from phalanx.control.backends.local import process_running, session_members
 
 
 @dataclass

@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from phalanx.chaos.plan import Trial
-from phalanx.control.backend import process_running
-from phalanx.control.cluster import ClusterClient, controller_pid, start_controller
+from phalanx.control.backends.local import process_running
+from phalanx.control.client.cluster import ClusterClient, controller_pid, start_controller
 from phalanx.control.http import ApiError, ControllerUnreachable
-from phalanx.control.jobs import FINAL_STATES, JobClient
+from phalanx.control.client.jobs import FINAL_STATES, JobClient
 from phalanx.resilience.drill import DrillSpec
 
 ANNOUNCE = "=== phalanx drill: slow rank"

@@ -24,9 +24,9 @@ from phalanx.chaos import invariants as inv
 from phalanx.chaos.census import take_census
 from phalanx.chaos.inject import InjectionError, Injector, drill_for
 from phalanx.chaos.plan import JobShape, Trial, layout_dims, steps_allowed
-from phalanx.control.backend import cmdline, process_running, processes_mentioning, session_members
-from phalanx.control.cluster import ClusterClient, controller_pid, create_cluster, delete_cluster, start_controller
-from phalanx.control.jobs import FINAL_STATES, JobClient
+from phalanx.control.backends.local import cmdline, process_running, processes_mentioning, session_members
+from phalanx.control.client.cluster import ClusterClient, controller_pid, create_cluster, delete_cluster, start_controller
+from phalanx.control.client.jobs import FINAL_STATES, JobClient
 from phalanx.resilience.drill import ENV_VAR
 
 CLUSTER = "chaos"

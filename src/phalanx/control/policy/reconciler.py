@@ -27,8 +27,9 @@ import logging
 import time
 from typing import Callable
 
-from phalanx.control.health import summarize_failure
-from phalanx.control.store import BRINGUP_STATES, ClusterStatus, Node, NodeState, Store
+from phalanx.control.agent.health import summarize_failure
+from phalanx.control.state.store import BRINGUP_STATES, ClusterStatus, Node, NodeState, Store
+from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.reconciler")
 S = NodeState
@@ -197,7 +198,7 @@ class Reconciler:
                                                         f"in group {node.group}")
                     continue
                 self.store.update_node(spare.name, is_spare=0)
-                self.store.record_event("promoted", f"spare promoted to member of group {node.group}, "
+                self.store.record_event(E.PROMOTED, f"spare promoted to member of group {node.group}, "
                                                     f"replacing {node.name}", node=spare.name)
                 nodes = [n for n in nodes if n.name != spare.name]
                 self.start_retiring(node, f"replaced by spare {spare.name}")
@@ -211,7 +212,7 @@ class Reconciler:
         if key not in self._said:
             self._said.add(key)
             log.warning(line)
-            self.store.record_event("waiting", line)
+            self.store.record_event(E.WAITING, line)
 
     # ---- retire and refill --------------------------------------------------------------------------
     def retire(self, now: float) -> None:
@@ -254,7 +255,7 @@ class Reconciler:
                 self.provision(g["name"], is_spare=True, reason=f"group {g['name']}: {why}")
 
     def provision(self, group: str, *, is_spare: bool, reason: str) -> None:
-        node = self.store.add_node(group, is_spare=is_spare, work_root=self.backend.paths.root / "nodes",
+        node = self.store.add_node(group, is_spare=is_spare, work_root=self.backend.work_root(),
                                    reason=reason)
         try:
             pid = self.backend.launch(node)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
-from phalanx.control.store import IllegalTransition, Store
+from phalanx.control.state.store import IllegalTransition, Store
 
 
 class JobState(str, Enum):

@@ -27,8 +27,9 @@ import logging
 import time
 
 from phalanx import protocol
-from phalanx.control.jobstate import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
-from phalanx.control.store import NodeState, Store
+from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
+from phalanx.control.state.store import NodeState, Store
+from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
@@ -159,7 +160,7 @@ class InPlaceRecovery:
                     + "; the lost state comes from peers' memory where they hold it, else from the newest "
                       "checkpoint (the generation's state_restored event says which)")
         self.records.transition(job.id, J.RECOVERING, what)
-        self.store.record_event("recovery", what, job=job.id)
+        self.store.record_event(E.RECOVERY, what, job=job.id)
         log.warning("job %s generation %d (checkpointless): %s", job.id, gen.generation, what)
 
     # ---- what the workers report -------------------------------------------------------------------------
@@ -210,20 +211,20 @@ class InPlaceRecovery:
         g = gen.generation
         if "fault_detected" in told:
             e = told["fault_detected"]
-            self.store.record_event("fault_detected", f"generation {e['generation']}: {e['detected_by']} rank(s) saw "
+            self.store.record_event(E.FAULT_DETECTED, f"generation {e['generation']}: {e['detected_by']} rank(s) saw "
                                     f"the fault at step {e['step']}: {e['what']}", job=job.id)
         if "pg_rebuilt" in told:
             e = told["pg_rebuilt"]
-            self.store.record_event("pg_rebuilt", f"generation {g}: process groups built in {e['seconds']:.3f} s, "
+            self.store.record_event(E.PG_REBUILT, f"generation {g}: process groups built in {e['seconds']:.3f} s, "
                                     f"every rank arrived {e['all_arrived_after_fault_s']:.3f} s after the fault",
                                     job=job.id)
-        self.store.record_event("state_restored", f"generation {g} restored from {summary['source']} "
+        self.store.record_event(E.STATE_RESTORED, f"generation {g} restored from {summary['source']} "
                                 f"at step {summary['step']}: {summary['bytes']} bytes moved in "
                                 f"{summary['seconds']:.3f} s" + (f" ({summary['reason']})" if summary.get("reason")
                                                                   else ""), job=job.id)
         if "resumed" in told:
             e = told["resumed"]
-            self.store.record_event("resumed", f"generation {g}: training resumed at step {e['step']} on "
+            self.store.record_event(E.RESUMED, f"generation {g}: training resumed at step {e['step']} on "
                                     f"{e['world_size']} ranks, {e['steps_lost']} committed step(s) redone",
                                     job=job.id)
 

@@ -2,7 +2,7 @@
 session (so the session is the node: the agent, its lifecycle script, and its workers, each worker in a
 process group of its own inside that session), with its own work dir.
 
-    launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent` → pid
+    launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent.node_agent` → pid
     gone(node)        None while the node's agent runs, else why it is gone (exit code / signal)
     terminate(node)   SIGTERM the agent (it stops its workers and exits); SIGCONT in case it is frozen
     kill(node)        SIGKILL the whole node (its session) — what a power loss does
@@ -10,9 +10,13 @@ process group of its own inside that session), with its own work dir.
     signal_worker(node, pid, sig)   a signal to one worker of the node (fault injection)
     node_host(node)   the address other nodes reach it at (MASTER_ADDR when it hosts rank 0)
     free_port(node)   a port free on that host now (a generation's MASTER_PORT)
+    work_root()       CLUSTER_DIR/nodes (each node's work dir is under it)
+    worker_env()      gloo on loopback, one OpenMP thread per rank (every node shares this machine)
+    teardown(nodes)   the controller is down (`cluster delete`): terminate, then kill after the grace
+    sweep(nodes)      after a delete: SIGKILL anything of the cluster still running (found through /proc)
 
 Processes are always identified by pid *and* command line (a pid alone may have been reused).
-Knows nothing about the reconciler's policy, HTTP or SQLite. A Slurm backend will offer the same methods.
+Implements `base.Backend`. Knows nothing about the reconciler's policy, HTTP or SQLite.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from phalanx.control.paths import PRIVATE_UMASK, ClusterPaths, open_private_log
+from phalanx.control.state.paths import PRIVATE_UMASK, ClusterPaths, open_private_log
 from phalanx.control.spec import ClusterSpec
-from phalanx.control.store import Node
-from phalanx.control.workers import describe_exit
+from phalanx.control.state.store import Node
+from phalanx.control.agent.worker import describe_exit
 
-AGENT_MODULE = "phalanx.control.agent"
+AGENT_MODULE = "phalanx.control.agent.node_agent"
+CONTROLLER_MODULE = "phalanx.control.server.daemon"  # what `cluster start` runs (`python -m`)
 
 
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -213,6 +219,40 @@ class LocalBackend:
         if child is not None:
             child.wait()
         return members
+
+    def work_root(self) -> Path:
+        return self.paths.root / "nodes"
+
+    def worker_env(self, node: Node | None = None) -> dict[str, str]:
+        # every node shares this machine: gloo on loopback, one thread per rank (2-core CI machines)
+        return {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+    def teardown(self, nodes: list[Node], grace_s: float) -> int:
+        running = [n for n in nodes if n.pid and self.gone(n) is None]
+        for n in running:
+            self.terminate(n)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(self.gone(n) is None for n in running):
+            time.sleep(0.05)
+        for n in running:
+            self.kill(n)  # stubborn agents, and whatever they left in their process group
+        return len(running)
+
+    def sweep(self, nodes: list[Node]) -> list[int]:
+        victims: set[int] = set()
+        for n in nodes:
+            if n.pid and process_running(n.pid, self._marker(n)):
+                victims.update(session_members(n.pid))
+        victims.update(p for p in processes_mentioning(str(self.paths.root))
+                       if CONTROLLER_MODULE in cmdline(p) or AGENT_MODULE in cmdline(p))
+        killed = []
+        for pid in sorted(victims):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # exited by itself meanwhile
+            killed.append(pid)
+        return killed
 
     def forget(self, node: Node) -> None:
         child = self._children.pop(node.name, None)

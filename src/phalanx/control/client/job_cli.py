@@ -1,4 +1,4 @@
-"""`phalanx job ...` (typer + rich). Thin: parses arguments, calls `phalanx.control.jobs.JobClient`, prints.
+"""`phalanx job ...` (typer + rich). Thin: parses arguments, calls `phalanx.control.client.jobs.JobClient`, prints.
 Exit codes: 0 ok, 1 the operation failed, 2 bad input or a refusal (nothing started). While the controller
 is down, `list` and `describe` show the last recorded jobs, with every state that may have changed since as
 `unknown (controller down since …; last recorded running)` and a warning naming `phalanx cluster start`.
@@ -19,7 +19,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from phalanx.control.cli import _ago, _down_since, _fail, _first_line, _guard, _warn_offline, _when, err, out
+from phalanx.control.client.cli import _ago, _down_since, _fail, _first_line, _guard, _warn_offline, _when, err, out
 
 job_app = typer.Typer(help="Run training jobs (and any torch.distributed program) on a cluster, with "
                            "auto-resume.", no_args_is_help=True)
@@ -28,7 +28,7 @@ CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def _client(cluster: str | None):
-    from phalanx.control.jobs import JobClient
+    from phalanx.control.client.jobs import JobClient
 
     return _guard(lambda: JobClient(cluster))
 
@@ -40,7 +40,7 @@ BAD_INPUT_ERRORS = (("phalanx.train.config", "ConfigError"), ("phalanx.data.erro
 
 
 def _bad_input(e: Exception) -> bool:
-    from phalanx.control.jobs import JobError
+    from phalanx.control.client.jobs import JobError
 
     loaded = [getattr(sys.modules.get(module), name, None) for module, name in BAD_INPUT_ERRORS]
     return isinstance(e, (JobError, *[c for c in loaded if isinstance(c, type)]))
@@ -60,7 +60,7 @@ def _job_guard(fn):
 
 def _state(j: dict) -> str:
     """A job's state; unknown when read offline and not final (it may have changed since)."""
-    from phalanx.control.jobs import FINAL_STATES
+    from phalanx.control.client.jobs import FINAL_STATES
 
     if "controller_down_since" not in j or j["state"] in FINAL_STATES:
         return j["state"]

@@ -32,33 +32,29 @@ previous generation's rendezvous. One log line per fault says what happened and 
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from phalanx import protocol
-from phalanx.control.health import restart_job_failures
-from phalanx.control.inplace import NODE_FAULTS, InPlaceRecovery
-from phalanx.control.jobstate import ACTIVE, FINAL, Generation, Job, JobRecords, JobState, WorkerRecord
-from phalanx.control.store import ClusterStatus, Node, NodeState, Store
+from phalanx.control.agent.health import restart_job_failures
+from phalanx.control.policy.inplace import NODE_FAULTS, InPlaceRecovery
+from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
+from phalanx.control.state.store import Node, NodeState, Store
+from phalanx.control.policy.admission import Admission
+from phalanx.control.policy.assignments import Assignments
+from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
 
 
-class JobRequestError(ValueError):
-    """A job request the controller refuses; `status` is the HTTP status to answer with."""
+class JobScheduler(Admission, Assignments):
+    """Admission (`admission.py`) and the heartbeat side (`assignments.py`) are its mixins; the generations'
+    lifecycle and the fault policy are here."""
 
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class JobScheduler:
     def __init__(self, store: Store, backend, *, jobs_root: Path,
                  read_progress: Callable[[str, int, list[int]], dict[int, dict]] | None,
                  store_addr: Callable[[], str | None], controller_id: float, rendezvous=None):
@@ -75,184 +71,6 @@ class JobScheduler:
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
         self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous)  # checkpointless jobs
-
-    # ---- API: submit, cancel, describe --------------------------------------------------------------
-    def submit(self, *, kind: str, nodes: int, name: str | None = None, group: str | None = None,
-               argv: list[str] | None = None, config: dict | None = None, checkpoint_dir: str | None = None,
-               cwd: str, env: dict | None = None, auto_resume: bool = False, max_retries: int = 0,
-               recovery: str = "restart") -> Job:
-        status = self.store.cluster()["status"]
-        if status not in (ClusterStatus.IN_SERVICE.value, ClusterStatus.DEGRADED.value):
-            raise JobRequestError(409, f"cluster {self.spec.name} is {status}; jobs run on a cluster in service")
-        g = self._group(group)
-        if nodes > g.count:
-            raise JobRequestError(422, f"--nodes {nodes} is more than group {g.name} has: {g.count} worker nodes "
-                                       f"(+{g.spares} spares, which stand by to replace faulty nodes and run no "
-                                       f"jobs); use --nodes {g.count} or fewer, or grow the group's count")
-        if kind == "train":
-            if config is None or not checkpoint_dir:
-                raise JobRequestError(422, "a train job needs its resolved config and checkpoint_dir")
-            argv = [sys.executable, "-m", protocol.TRAIN_WORKER_MODULE]
-        elif not argv:
-            raise JobRequestError(422, "a command job needs a command (`phalanx job submit --nodes N -- CMD ...`)")
-        if recovery == protocol.CHECKPOINTLESS:
-            if kind != "train":
-                raise JobRequestError(422, "--recovery checkpointless needs a training config: a command's state "
-                                           "is unknown to Phalanx (use --auto-resume to rerun it on a fault)")
-            auto_resume = True  # recovering in place is resuming; the checkpoint stays the fallback
-        with self.lock:
-            job = self.records.add_job(name=name, kind=kind, group=g.name, nodes=nodes,
-                                       workers_per_node=g.profile.worker_slots, argv=argv, cwd=cwd, env=env or {},
-                                       config=config, jobs_root=str(self.jobs_root), checkpoint_dir=checkpoint_dir,
-                                       auto_resume=auto_resume, max_retries=max_retries, recovery=recovery)
-        (Path(job.job_dir) / "logs").mkdir(parents=True, exist_ok=True)
-        if config is not None:
-            (Path(job.job_dir) / "config.json").write_text(json.dumps(config, indent=2))
-        log.info("job %s (%s) submitted: %d nodes × %d workers", job.id, job.name, nodes, job.workers_per_node)
-        return job
-
-    def _group(self, name: str | None):
-        groups = self.spec.instance_groups
-        if name is None:
-            if len(groups) > 1:
-                raise JobRequestError(422, f"cluster has several instance groups ({', '.join(g.name for g in groups)})"
-                                           f"; name one with --group")
-            return groups[0]
-        try:
-            return self.spec.group(name)
-        except KeyError:
-            raise JobRequestError(422, f"no instance group {name!r}; groups: "
-                                       f"{', '.join(g.name for g in groups)}") from None
-
-    def find(self, key: str) -> Job:
-        job = self.records.find(key)
-        if job is None:
-            raise JobRequestError(404, f"no job {key!r} (`phalanx job list` shows the jobs)")
-        return job
-
-    def cancel(self, key: str, reason: str = "cancelled by the user") -> Job:
-        with self.lock:
-            job = self.find(key)
-            if job.state in FINAL:
-                raise JobRequestError(409, f"job {job.id} is already {job.state.value}")
-            self._stop_generation(job, f"job cancelled: {reason}")
-            job = self.records.transition(job.id, J.CANCELLED, f"{reason}; its workers are being stopped")
-        log.info("job %s cancelled (%s); next: its workers are stopped", job.id, reason)
-        return job
-
-    def cancel_all(self, reason: str) -> None:
-        for job in self.records.jobs((J.PENDING, *ACTIVE)):
-            self.cancel(job.id, reason)
-
-    def describe(self, key: str) -> dict:
-        return self.records.describe(self.find(key))
-
-    # ---- heartbeats ---------------------------------------------------------------------------------
-    def ingest(self, node: Node, reports: list[dict], acked_at: float | None) -> None:
-        """Record an agent's worker reports (one row per job, generation and rank)."""
-        with self.lock:
-            self.records.set_node_ack(node.name, acked_at)
-            known = {(w.job, w.generation, w.rank): w for w in self.records.workers(node=node.name)}
-            seen = set()
-            for r in reports:
-                key = (r["job"], r["generation"], r["rank"])
-                seen.add(key)
-                old = known.get(key)
-                row = {"job": r["job"], "generation": r["generation"], "rank": r["rank"], "node": node.name,
-                       "local_rank": r["local_rank"], "pid": r["pid"], "state": r["state"],
-                       "exit_code": r["exit_code"], "detail": r["detail"], "hang": r["hang"],
-                       "frozen": int(r["frozen"]), "stopped": int(r["stopped"]), "step": old.step if old else None,
-                       "started_at": r["started_at"], "ended_at": r["ended_at"]}
-                if old is not None and all(getattr(old, k) == v for k, v in row.items()):
-                    continue
-                self.records.put_worker(row)
-                if r.get("carried_from"):  # a survivor now serves this generation
-                    g, rank = r["carried_from"]
-                    seen.add((r["job"], g, rank))
-                    self.records.update_worker(r["job"], g, rank, state="carried",
-                                               detail=f"process carried into generation {r['generation']} as "
-                                                      f"rank {r['rank']}")
-                if r["state"] == "exited" and (old is None or old.state != "exited") and not r["stopped"] \
-                        and r["exit_code"] != 0:
-                    what = f"rank {r['rank']} (pid {r['pid']}) on {node.name} {r['detail']}"
-                    self.store.record_event("worker-exit", what + (f"; hung: {r['hang']}" if r["hang"] else ""),
-                                            node=node.name, job=r["job"])
-            for key, old in known.items():
-                if key not in seen and old.live:
-                    self.records.update_worker(*key, state="lost", detail="no longer reported by its agent")
-
-    def assignments(self, node: Node) -> tuple[float, list[dict], int]:
-        """(sent_at, the workers `node` must run, the warm standbys it should keep). sent_at is taken first,
-        under the lock: an agent that echoes it back has seen every stop decided before it."""
-        with self.lock:
-            sent_at = time.time()
-            if node.state != S.HEALTHY:
-                return sent_at, [], 0
-            out = []
-            for job in self.records.jobs(ACTIVE):
-                gen = self.records.generation(job.id, job.generation)
-                if gen is None or node.name not in gen.nodes:
-                    continue
-                if job.state == J.RECOVERING:
-                    if self.inplace.in_place(job, gen):  # survivors wait in their processes for the next generation
-                        out.append({"job": job.id, "generation": gen.generation, "hold": True, "ranks": []})
-                    continue
-                if gen.stop_at is not None:
-                    continue
-                per = job.workers_per_node
-                first = protocol.rank_of(gen.nodes, node.name, 0, per)
-                survivors = self.inplace.survivor_slots(job, gen)
-                carried = self.inplace.carried_standbys(job, gen) if survivors else {}
-                ranks = [{"rank": first + i, "local_rank": i,
-                          "standby": gen.standbys.get(str(first + i)) or carried.get((node.name, i)),
-                          "carry": (node.name, i) in survivors} for i in range(per)]
-                progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
-                out.append({"recovery": job.recovery,
-                    "job": job.id, "generation": gen.generation, "argv": job.argv, "cwd": job.cwd,
-                    "env": self._worker_env(job), "log_dir": str(Path(job.job_dir) / "logs"),
-                    "world_size": job.world_size, "local_world_size": per, "master_addr": gen.master_addr,
-                    "master_port": gen.master_port, "store_addr": gen.store_addr or "",
-                    "checkpoint_dir": job.checkpoint_dir,
-                    "config_path": str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,
-                    "ranks": ranks, "progress": {str(k): v for k, v in progress.items()}, "hang_detection": relayed,
-                })
-            return sent_at, out, self.standby_wanted(node)
-
-    def standby_wanted(self, node: Node) -> int:
-        """Warm standby workers `node`'s agent should keep: one per slot on an idle healthy node of a group
-        with warm_standby (a spare, or a member no job holds)."""
-        if node.state != S.HEALTHY or not self.spec.group(node.group).warm_standby:
-            return 0
-        with self.lock:
-            busy = any(node.name in j.nodes for j in self.records.jobs(ACTIVE))
-            return 0 if busy else self.spec.group(node.group).profile.worker_slots
-
-    def _worker_env(self, job: Job) -> dict:
-        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"} if self.spec.backend == "local" else {}
-        env.update(job.env)
-        return env
-
-    def _progress(self, job: Job, gen: Generation, ranks: list[int]) -> tuple[dict[int, dict], bool]:
-        """Each rank's {"step", "beat"}, and whether they can be relied on (False: agents' hang checks off)."""
-        if self.read_progress is None:
-            return {}, False
-        if gen.store_addr != self.store_addr():
-            self._say(f"store:{job.id}:{gen.generation}", f"job {job.id}: the rendezvous store moved from "
-                      f"{gen.store_addr} to {self.store_addr()} (controller restart, old port taken); hang detection "
-                      f"is off for generation {gen.generation}, next: back on from the next generation")
-            return {}, False
-        try:
-            progress = self.read_progress(job.id, gen.generation, ranks)
-        except RuntimeError as err:  # torch's store errors
-            self._say(f"read:{job.id}", f"job {job.id}: cannot read progress from the rendezvous store ({err}); "
-                                        f"hang detection paused, next: retrying at the next heartbeat")
-            return {}, False
-        self._said.pop(f"read:{job.id}", None)
-        for w in self.records.workers(job=job.id, generation=gen.generation):
-            step = (progress.get(w.rank) or {}).get("step")
-            if step is not None and step != w.step:
-                self.records.update_worker(job.id, gen.generation, w.rank, step=step)
-        return progress, True
 
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str], None]) -> None:
@@ -327,7 +145,7 @@ class JobScheduler:
             return current
         for f in new:
             if f["kind"] == "hang":
-                self.store.record_event("hang", f["detail"], node=f["node"], job=job.id)
+                self.store.record_event(E.HANG, f["detail"], node=f["node"], job=job.id)
                 node = self.store.node(f["node"])
                 if node is not None and node.state == S.HEALTHY:
                     mark_faulty(node, f"worker {f['detail']} (a hang is a node fault)")
@@ -407,7 +225,7 @@ class JobScheduler:
             why = (f"{root} (application error: every node healthy); next: retry {job.retries + 1}/"
                    f"{job.max_retries} on the same nodes")
             self.records.update_job(job.id, retries=job.retries + 1, reason=why)
-            self.store.record_event("recovery", why, job=job.id)
+            self.store.record_event(E.RECOVERY, why, job=job.id)
             log.warning("job %s generation %d: %s", job.id, gen.generation, why)
         else:
             why = (f"{root} (application error: every node healthy); {job.retries} retries used "
@@ -424,7 +242,7 @@ class JobScheduler:
             resume = "from the newest checkpoint" if job.kind == "train" else "(the command is run again)"
             why = f"{detail}; next: restart {where} {resume}"
             self.records.update_job(job.id, reason=why)
-            self.store.record_event("recovery", why, job=job.id)
+            self.store.record_event(E.RECOVERY, why, job=job.id)
             log.warning("job %s generation %d ended (%s): %s", job.id, gen.generation, outcome, why)
         else:
             why = (f"{detail}; auto-resume is off, so the job is not restarted (submit with --auto-resume to "
@@ -490,7 +308,7 @@ class JobScheduler:
         if self._said.get(job.id) != why:
             self._said[job.id] = why
             self.records.update_job(job.id, reason=why)
-            self.store.record_event("waiting", why, job=job.id)
+            self.store.record_event(E.WAITING, why, job=job.id)
             log.info("job %s %s", job.id, why)
 
     def _launch(self, job: Job, nodes: list[str]) -> None:
@@ -512,49 +330,8 @@ class JobScheduler:
         elif g > 1:
             what += "; resuming from the newest checkpoint" if job.kind == "train" else "; restarting the command"
         self.records.transition(job.id, J.RUNNING, what, generation=g, attempts=job.attempts + 1, nodes=nodes)
-        self.store.record_event("generation", what, job=job.id)
+        self.store.record_event(E.GENERATION, what, job=job.id)
         log.info("job %s: %s", job.id, what)
-
-    def _publish(self, job: Job, gen: Generation) -> None:
-        """Store keys of a new generation: the layout and number (checkpointless workers watch them), and the
-        env of every rank a warm standby may take (it starts at once, without waiting for a heartbeat)."""
-        if self.rendezvous is None:
-            return
-        per = job.workers_per_node
-        try:
-            used = {}
-            for name in self.inplace.standby_nodes(job, gen):
-                node = self.store.node(name)
-                ready = ((node.report or {}).get("standbys") or {}) if node is not None else {}
-                for local in range(per):
-                    standby = ready.get(str(local))
-                    if standby is None:
-                        continue  # its agent starts a fresh process for this rank
-                    rank = protocol.rank_of(gen.nodes, name, local, per)
-                    env = protocol.worker_env(self._placement(job, gen, name, rank, local), base=self._worker_env(job))
-                    self.rendezvous.set(protocol.standby_key(standby), protocol.standby_assignment(
-                        self.token, standby, env, str(Path(job.job_dir) / "logs" / f"rank{rank}.log")))
-                    used[str(rank)] = standby
-            if used:
-                self.records.update_generation(job.id, gen.generation, standbys=used)
-            self.inplace.publish(job, gen)
-        except RuntimeError as err:  # the store is the controller's own: this is a bug or a dying controller
-            log.error("job %s generation %d: could not publish to the rendezvous store (%s)", job.id,
-                      gen.generation, err)
-
-    def republish(self) -> None:
-        """A restarted controller's store is empty: publish the current generation of every active
-        checkpointless job again (its workers watch for it)."""
-        with self.lock:
-            self.inplace.republish()
-
-    def _placement(self, job: Job, gen: Generation, node: str, rank: int, local: int) -> protocol.WorkerPlacement:
-        return protocol.WorkerPlacement(
-            job_id=job.id, generation=gen.generation, rank=rank, world_size=job.world_size, local_rank=local,
-            local_world_size=job.workers_per_node, master_addr=gen.master_addr, master_port=gen.master_port,
-            store_addr=gen.store_addr or "", checkpoint_dir=job.checkpoint_dir, cluster_token=self.token,
-            config_path=str(Path(job.job_dir) / "config.json") if job.kind == "train" else None, node=node,
-            recovery=job.recovery)
 
     def _say(self, key: str, line: str) -> None:
         if key not in self._said:

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from phalanx.control.cluster import ClusterClient, ClusterError
+from phalanx.control.client.cluster import ClusterClient, ClusterError
 from phalanx.control.http import ApiError, ControllerUnreachable
-from phalanx.control.jobstate import JobRecords
+from phalanx.control.state.jobs import JobRecords
 from phalanx.control.spec import INSTANCE_TYPES
 
 FINAL_STATES = ("succeeded", "failed", "cancelled")

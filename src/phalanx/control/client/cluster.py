@@ -7,7 +7,7 @@
     stop_controller(name)          stop only the controller
     delete_cluster(name)           stop every node and the controller, prove nothing is left, remove the dir
     ClusterClient(name)            describe / nodes / events / inject_fault over the HTTP API
-                                   (jobs: `phalanx.control.jobs.JobClient`)
+                                   (jobs: `phalanx.control.client.jobs.JobClient`)
 
 Talks to a running controller only over HTTP (with the token); reads SQLite directly only to describe a
 cluster whose controller is not running and to find what to stop when the controller is gone. Such a read
@@ -31,14 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx.control.backend import AGENT_MODULE, cmdline, process_running, processes_mentioning, session_members
+from phalanx.control.backends.local import CONTROLLER_MODULE, process_running
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
-from phalanx.control.paths import (PRIVATE_UMASK, ClusterPaths, list_clusters, open_private_log, phalanx_home,
+from phalanx.control.state.paths import (PRIVATE_UMASK, ClusterPaths, list_clusters, open_private_log, phalanx_home,
                                    write_private)
 from phalanx.control.spec import ClusterSpec, SpecError, check_backend_supported, load_spec
-from phalanx.control.store import ClusterStatus, NodeState, Store, open_existing
+from phalanx.control.state.store import ClusterStatus, NodeState, Store, open_existing
 
-CONTROLLER_MODULE = "phalanx.control.controller"  # kept equal to controller.CONTROLLER_MODULE
 
 
 class ClusterError(RuntimeError):
@@ -350,48 +349,34 @@ def delete_cluster(name: str | None = None, *, keep_files: bool = False, timeout
 
 
 def _stop_nodes_directly(paths: ClusterPaths) -> int:
-    """With the controller down: SIGTERM every running agent, SIGKILL its process group after the grace."""
-    from phalanx.control.backend import LocalBackend
-    from phalanx.control.reconciler import TERMINATE_GRACE_S
+    """With the controller down: the backend stops every running node (terminate, kill after the grace)."""
+    from phalanx.control.backends import make_backend
+    from phalanx.control.policy.reconciler import TERMINATE_GRACE_S
 
     store = open_existing(paths.db)
     try:
-        backend = LocalBackend(paths, store.spec())
-        running = [n for n in store.nodes(include_terminated=False) if n.pid and backend.gone(n) is None]
+        backend, nodes = make_backend(store.spec(), paths), store.nodes(include_terminated=False)
     finally:
         store.close()
-    for n in running:
-        backend.terminate(n)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    while time.monotonic() < deadline and any(backend.gone(n) is None for n in running):
-        time.sleep(0.05)
-    for n in running:
-        backend.kill(n)  # stubborn agents, and whatever they left in their process group
-    return len(running)
+    return backend.teardown(nodes, TERMINATE_GRACE_S)
 
 
 def _kill_leftovers(paths: ClusterPaths) -> list[int]:
-    """SIGKILL whatever of this cluster still runs: nodes' process groups, then anything whose command line
-    names the cluster dir. Empty after a clean delete."""
-    victims: set[int] = set()
-    if paths.db.exists():
-        store = open_existing(paths.db)
-        try:
-            for n in store.nodes():
-                if n.pid and process_running(n.pid, str(Path(n.work_dir) / "agent.json")):
-                    victims.update(session_members(n.pid))
-        finally:
-            store.close()
-    victims.update(p for p in processes_mentioning(str(paths.root))
-                   if CONTROLLER_MODULE in cmdline(p) or AGENT_MODULE in cmdline(p))
-    for pid in sorted(victims):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue  # exited by itself meanwhile
+    """SIGKILL whatever of this cluster still runs (the backend finds it). Empty after a clean delete."""
+    from phalanx.control.backends import make_backend
+
+    if not paths.db.exists():
+        return []
+    store = open_existing(paths.db)
+    try:
+        backend, nodes = make_backend(store.spec(), paths), store.nodes()
+    finally:
+        store.close()
+    killed = backend.sweep(nodes)
+    for pid in killed:
         print(f"warning: process {pid} of cluster {paths.name} was still running after delete; killed it",
               file=sys.stderr)
-    return sorted(victims)
+    return killed
 
 
 __all__ = ["ClusterClient", "ClusterError", "ClusterRefused", "CreateFailed", "SpecError", "create_cluster",

@@ -1,4 +1,4 @@
-"""The controller daemon: `python -m phalanx.control.controller --cluster-dir DIR`, one per cluster.
+"""The controller daemon: `python -m phalanx.control.server.daemon --cluster-dir DIR`, one per cluster.
 
 `phalanx cluster create` / `cluster start` start it detached (its own session; output in
 DIR/controller.log; pid in DIR/controller.pid). It owns:
@@ -38,16 +38,17 @@ from pathlib import Path
 import uvicorn
 
 from phalanx import protocol
-from phalanx.control.api import build_app
-from phalanx.control.backend import LocalBackend, process_running
-from phalanx.control.deep_check import DeepCheckCoordinator
-from phalanx.control.paths import ClusterPaths
-from phalanx.control.reconciler import TERMINATE_GRACE_S, Reconciler
-from phalanx.control.scheduler import JobScheduler
-from phalanx.control.store import ClusterStatus, NodeState, open_existing
+from phalanx.control.server.api import build_app
+from phalanx.control.backends import make_backend
+from phalanx.control.backends.local import process_running
+from phalanx.control.policy.deep_check import DeepCheckCoordinator
+from phalanx.control.state.paths import ClusterPaths
+from phalanx.control.policy.reconciler import TERMINATE_GRACE_S, Reconciler
+from phalanx.control.policy.scheduler import JobScheduler
+from phalanx.control.state.store import ClusterStatus, NodeState, open_existing
+from phalanx.observability.events import EventKind as E
 
 TICK_S = 0.2
-CONTROLLER_MODULE = "phalanx.control.controller"
 log = logging.getLogger("phalanx.controller")
 
 
@@ -93,7 +94,7 @@ class Controller:
         self.spec = self.store.spec()
         self.token = paths.read_token()
         self.log = log
-        self.backend = LocalBackend(paths, self.spec)
+        self.backend = make_backend(self.spec, paths)
         self.server: uvicorn.Server | None = None
         self.rendezvous = None  # the TCPStore, once started
         self.jobs: JobScheduler | None = None
@@ -143,7 +144,7 @@ class Controller:
         else:
             what = f"controller started (pid {os.getpid()})"
         what += f"; API on {connect_host(host)}:{api_port}, rendezvous store on {connect_host(host)}:{rendezvous.port}"
-        self.store.record_event("controller", what)
+        self.store.record_event(E.CONTROLLER, what)
         log.info(what)
 
         store_addr = f"{connect_host(host)}:{rendezvous.port}"
@@ -175,7 +176,7 @@ class Controller:
                 self.stop_all_nodes(self._stop_nodes_reason)
                 if self.store.cluster()["status"] == ClusterStatus.DELETING.value:
                     self.store.set_status(ClusterStatus.DELETED, "every node and the controller stopped")
-            self.store.record_event("controller", f"controller stopped (pid {os.getpid()})")
+            self.store.record_event(E.CONTROLLER, f"controller stopped (pid {os.getpid()})")
             self.paths.endpoint.unlink(missing_ok=True)
             self.paths.pid_file.unlink(missing_ok=True)
             log.info("controller exiting")

@@ -1,5 +1,5 @@
 """`phalanx cluster ...` and `phalanx fault ...` (typer + rich). Thin: parses arguments, calls
-`phalanx.control.cluster`, prints. Exit codes: 0 ok, 1 the operation failed, 2 bad input or a refusal
+`phalanx.control.client.cluster`, prints. Exit codes: 0 ok, 1 the operation failed, 2 bad input or a refusal
 (nothing started).
 
 Output that is not a terminal (a pipe, a file) is not cut at 80 columns: tables keep their whole width.
@@ -56,7 +56,7 @@ def _fail(message: str, code: int = 1):
 
 def _guard(fn):
     """Run an operation, turning the control plane's errors into one clear line and an exit code."""
-    from phalanx.control.cluster import ClusterError, ClusterRefused
+    from phalanx.control.client.cluster import ClusterError, ClusterRefused
     from phalanx.control.http import ApiError, ControllerUnreachable
     from phalanx.control.spec import SpecError
 
@@ -106,7 +106,7 @@ def create(
     timeout: float = typer.Option(300.0, help="seconds to wait for every node to be healthy"),
 ) -> None:
     """Start the controller and the nodes; return when the cluster is in service."""
-    from phalanx.control.cluster import create_cluster
+    from phalanx.control.client.cluster import create_cluster
 
     def show(info: dict) -> None:
         out.print(f"cluster {info['name']}: {info['status']}")
@@ -119,7 +119,7 @@ def create(
 @cluster_app.command("describe")
 def describe(name: Optional[str] = NameArg, as_json: bool = typer.Option(False, "--json")) -> None:
     """Status, instance groups (members, spares), controller and rendezvous store."""
-    from phalanx.control.cluster import ClusterClient
+    from phalanx.control.client.cluster import ClusterClient
 
     info = _guard(lambda: ClusterClient(name).describe())
     if as_json:
@@ -157,7 +157,7 @@ def _print_describe(info: dict) -> None:
 def list_nodes(name: Optional[str] = NameArg, all_nodes: bool = typer.Option(False, "--all", help="include terminated"),
                as_json: bool = typer.Option(False, "--json")) -> None:
     """Name, group, role, state, health, job, pid and last heartbeat of every node."""
-    from phalanx.control.cluster import ClusterClient
+    from phalanx.control.client.cluster import ClusterClient
 
     client = _guard(lambda: ClusterClient(name))
     nodes = _guard(client.nodes)
@@ -188,7 +188,7 @@ def events(name: Optional[str] = NameArg, node: Optional[str] = typer.Option(Non
            limit: int = typer.Option(50, help="the last N events"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """State transitions, faults, promotions and controller restarts, oldest first, each with its reason."""
-    from phalanx.control.cluster import ClusterClient
+    from phalanx.control.client.cluster import ClusterClient
 
     rows = _guard(lambda: ClusterClient(name).events(node=node, limit=limit))
     if as_json:
@@ -206,7 +206,7 @@ def delete(name: Optional[str] = NameArg,
            keep_files: bool = typer.Option(False, "--keep-files",
                                            help="keep the cluster dir (logs, state.db)")) -> None:
     """Stop every node and the controller (nothing is left running); remove the cluster dir."""
-    from phalanx.control.cluster import delete_cluster
+    from phalanx.control.client.cluster import delete_cluster
 
     info = _guard(lambda: delete_cluster(name, keep_files=keep_files))
     out.print(f"cluster {info['name']} deleted" + (" (files kept)" if keep_files else ""))
@@ -215,7 +215,7 @@ def delete(name: Optional[str] = NameArg,
 @cluster_app.command("start")
 def start(name: Optional[str] = NameArg) -> None:
     """Start a stopped controller; it rebuilds its view from SQLite and the agents' heartbeats."""
-    from phalanx.control.cluster import start_controller
+    from phalanx.control.client.cluster import start_controller
 
     _print_describe(_guard(lambda: start_controller(name)))
 
@@ -223,7 +223,7 @@ def start(name: Optional[str] = NameArg) -> None:
 @cluster_app.command("stop")
 def stop(name: Optional[str] = NameArg) -> None:
     """Stop only the controller; nodes keep running (`cluster start` brings it back)."""
-    from phalanx.control.cluster import stop_controller
+    from phalanx.control.client.cluster import stop_controller
 
     pid = _guard(lambda: stop_controller(name))
     out.print(f"controller pid {pid} stopped; nodes keep running")
@@ -232,8 +232,8 @@ def stop(name: Optional[str] = NameArg) -> None:
 @cluster_app.command("list")
 def list_clusters_command() -> None:
     """Clusters under PHALANX_HOME and their status."""
-    from phalanx.control.cluster import ClusterClient
-    from phalanx.control.paths import list_clusters, phalanx_home
+    from phalanx.control.client.cluster import ClusterClient
+    from phalanx.control.state.paths import list_clusters, phalanx_home
 
     names = list_clusters()
     if not names:
@@ -275,7 +275,7 @@ def inject(node: str = typer.Option(..., "--node", help="node name (see `cluster
                                              "restarts on the same nodes; 48, 79, …: the node is replaced)"),
            cluster: Optional[str] = typer.Option(None, help="cluster name (optional when only one exists)")) -> None:
     """Inject a fault into a node; the controller detects and handles it like a real one."""
-    from phalanx.control.cluster import ClusterClient
+    from phalanx.control.client.cluster import ClusterClient
 
     if kind is FaultKind.gpu_xid and xid is None:
         _fail("--xid is required with --kind gpu-xid (e.g. --xid 13: the job restarts on the same nodes; "

@@ -35,9 +35,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from phalanx.control.jobstate import JobState
-from phalanx.control.scheduler import JobRequestError
-from phalanx.control.store import ClusterStatus, NodeState, Store
+from phalanx.control.state.jobs import JobState
+from phalanx.control.policy.admission import JobRequestError
+from phalanx.control.state.store import ClusterStatus, NodeState, Store
+from phalanx.observability.events import EventKind as E
 
 S = NodeState
 FAULT_KINDS = ("kill-node", "fail-health", "freeze-node", "kill-worker", "hang-worker")
@@ -230,7 +231,7 @@ def build_app(ctl) -> FastAPI:
             ctl.backend.freeze(node)
             what = f"SIGSTOP sent to agent pid {node.pid}: it stays alive but stops heartbeating"
         reason = f"fault injected by operator: {req.kind}; {what}"
-        store.record_event("fault-injected", reason, node=name)
+        store.record_event(E.FAULT_INJECTED, reason, node=name)
         ctl.log.warning("node %s: %s", name, reason)
         return {"node": name, "kind": req.kind, "detail": what}
 

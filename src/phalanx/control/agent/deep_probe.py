@@ -1,4 +1,4 @@
-"""The deep health check's probe: `python -m phalanx.control.deep_probe --out FILE`, one process per device
+"""The deep health check's probe: `python -m phalanx.control.agent.deep_probe --out FILE`, one process per device
 slot of each node in a deep-check round, started by the agents (`deep_check.DeepCheckRunner`).
 
 It joins a torch.distributed group from the usual env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,

@@ -9,7 +9,7 @@
 
 Every transition goes through `transition()`, which refuses illegal moves and writes an event with a
 reason, so the events table is a complete history. The job tables (`jobs`, `generations`, `workers`) are
-read and written through `phalanx.control.jobstate`, on this connection.
+read and written through `phalanx.control.state.jobs`, on this connection.
 
 One connection shared by the controller's threads behind a lock (a few writes per heartbeat interval;
 SQLite serialises writers anyway). Knows nothing about processes, HTTP or the reconciler's policy.
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.control.spec import ClusterSpec
+from phalanx.observability.events import EventKind, event_kind
 
 
 class NodeState(str, Enum):
@@ -228,7 +229,7 @@ class Store:
                     (g.name, g.instance_type, g.count, g.spares, str(g.on_create) if g.on_create else None),
                 )
             self._db.execute("COMMIT")
-        self.record_event("cluster", f"cluster {spec.name} created from spec; status creating")
+        self.record_event(EventKind.CLUSTER, f"cluster {spec.name} created from spec; status creating")
 
     def spec(self) -> ClusterSpec:
         return ClusterSpec.model_validate_json(self.cluster()["spec_json"])
@@ -245,7 +246,7 @@ class Store:
         if old == status.value:
             return
         self.update_cluster(status=status.value, status_reason=reason)
-        self.record_event("cluster", reason, from_state=old, to_state=status.value)
+        self.record_event(EventKind.CLUSTER, reason, from_state=old, to_state=status.value)
 
     def groups(self) -> list[dict]:
         return [dict(r) for r in self._exec("SELECT * FROM groups ORDER BY name")]
@@ -293,7 +294,7 @@ class Store:
                 " VALUES (?,?,?,?,?,?,?,?)",
                 (name, group, S.PROVISIONING.value, int(is_spare), reason, str(work_root / name), now, now),
             )
-            self._insert_event(now, "transition", reason, node=name, to_state=S.PROVISIONING.value)
+            self._insert_event(now, EventKind.TRANSITION, reason, node=name, to_state=S.PROVISIONING.value)
             self._db.execute("COMMIT")
         return self.node(name)
 
@@ -348,7 +349,8 @@ class Store:
                     f"UPDATE nodes SET state=?, reason=?, state_since=?{extra} WHERE name=?",
                     (to.value, reason, now, *fields.values(), name),
                 )
-                self._insert_event(now, "transition", reason, node=name, from_state=frm.value, to_state=to.value)
+                self._insert_event(now, EventKind.TRANSITION, reason, node=name, from_state=frm.value,
+                                   to_state=to.value)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -360,10 +362,10 @@ class Store:
                       to_state=None) -> None:
         self._db.execute(
             "INSERT INTO events (time, node, job, kind, from_state, to_state, reason) VALUES (?,?,?,?,?,?,?)",
-            (now, node, job, kind, from_state, to_state, reason),
+            (now, node, job, event_kind(kind).value, from_state, to_state, reason),
         )
 
-    def record_event(self, kind: str, reason: str, *, node: str | None = None, job: str | None = None,
+    def record_event(self, kind: EventKind | str, reason: str, *, node: str | None = None, job: str | None = None,
                      from_state: str | None = None, to_state: str | None = None) -> None:
         with self._lock:
             self._insert_event(time.time(), kind, reason, node=node, job=job, from_state=from_state,

@@ -12,18 +12,7 @@ children) inside the node's session (killing the node kills them too). Output go
 appended across generations, with a header and a footer line per run. A worker the controller stops gets
 SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
 
-Hang detection: the controller relays each rank's progress and liveness beat (`protocol.progress_key`,
-`protocol.alive_key`) in every reply. When one rank of a collective job hangs, every rank stops progressing —
-the others wait for it — so progress alone cannot name the culprit; the beat can:
-  frozen   no progress and no beat for `hang_timeout_s` (the process itself is stuck: SIGSTOP, a stalled
-           host): SIGKILLed at once and reported as hung (`frozen`), which the controller treats as a node
-           fault. Its peers then fail at once and are stopped.
-  stalled  no progress for 2 × `hang_timeout_s` while the beat goes on (every rank waiting: a deadlock, a
-           stuck collective): SIGKILLed and reported as hung but alive — a job-level fault, not a node's.
-Nothing is judged while the relay is down (the controller unreachable: `relay_down()`), and the clocks
-restart with the first reply after any gap (an outage, a restarted controller with an empty store), so an
-outage is never taken for a hang. Workers that never report progress (plain torch.distributed programs)
-are not judged.
+Hang detection is `hang.py`'s rule; warm standbys are `standby.py`'s pool (both mixed in here).
 
 Standard library only. Knows nothing about the scheduler's policy.
 """
@@ -34,85 +23,21 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from phalanx import protocol
+from phalanx.control.agent.hang import judge_hang
+from phalanx.control.agent.standby import Standby, StandbyPool
+from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
+                                          signal_group)
 
 log = logging.getLogger("phalanx.agent.workers")
-STOP_GRACE_S = 3.0
 
 
-def describe_exit(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-
-
-def _own_process_group() -> dict:
-    if sys.version_info >= (3, 11):
-        return {"process_group": 0}
-    return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass  # the whole group is gone already: what the signal was for
-
-
-@dataclass
-class Worker:
-    job: str
-    generation: int
-    rank: int
-    local_rank: int
-    pid: int | None
-    started_at: float
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-    state: str = "running"  # running | stopping | exited
-    exit_code: int | None = None
-    detail: str | None = None
-    hang: str | None = None
-    stopped: bool = False  # stopped on the controller's request: not a fault
-    stop_sent_at: float | None = None  # monotonic
-    killed_after_grace: bool = False
-    ended_at: float | None = None
-    last_step: int | None = None  # relayed progress
-    last_change: float = 0.0  # monotonic time the relayed progress last changed (or the clock restarted)
-    last_beat: int | None = None  # relayed liveness counter
-    last_beat_change: float = 0.0
-    frozen: bool = False  # hung with its liveness beat stopped too
-    hang_detection: bool = True
-    reported_exit: bool = False  # a heartbeat carrying its exit was answered
-    carried_from: list | None = None  # checkpointless: [generation, rank] this process served before
-
-    @property
-    def assignment(self) -> tuple[str, int]:
-        return self.job, self.generation
-
-    def as_report(self) -> dict:
-        return {"job": self.job, "generation": self.generation, "rank": self.rank, "local_rank": self.local_rank,
-                "pid": self.pid, "state": self.state, "exit_code": self.exit_code, "detail": self.detail,
-                "hang": self.hang, "frozen": self.frozen, "stopped": self.stopped, "started_at": self.started_at,
-                "ended_at": self.ended_at, "carried_from": self.carried_from}
-
-
-@dataclass
-class Standby:
-    """A warm worker process waiting to be told which rank to become (`python -m phalanx.train.worker
-    --standby`, torch imported). The controller tells it through the store; its agent adopts it."""
-
-    id: str
-    local_rank: int
-    proc: subprocess.Popen
-
-
-class WorkerSupervisor:
+class WorkerSupervisor(StandbyPool):
     def __init__(self, node: str, token: str, hang_timeout_s: float, *, wake: Callable[[], None],
                  work_dir: Path | None = None, store_addr: Callable[[], str | None] = lambda: None):
         self.node = node
@@ -202,78 +127,12 @@ class WorkerSupervisor:
                  old.rank)
         return old
 
-    def _adopt(self, a: dict, r: dict) -> Worker | None:
-        """The warm standby the controller told to become this rank (through the store), if it is alive. A
-        standby that an earlier generation activated and this agent never adopted (that generation failed
-        first) may be this slot's survivor (`carry`): adopted the same way, or, if it died meanwhile, reported
-        as this generation's fault like any survivor that could not be carried (see `_carry`)."""
-        sb = self.standbys.get(r["local_rank"])
-        if not r.get("standby") or sb is None or sb.id != r["standby"]:
-            return None
-        code = sb.proc.poll()
-        if code is not None and not r.get("carry"):
-            return None
-        del self.standbys[r["local_rank"]]
-        w = Worker(a["job"], a["generation"], r["rank"], r["local_rank"], pid=sb.proc.pid, started_at=time.time(),
-                   proc=sb.proc, log_path=Path(a["log_dir"]) / f"rank{r['rank']}.log", last_change=time.monotonic())
-        w.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if code is not None:
-            self._exited(w, code)
-            log.warning("warm standby %s (pid %d), activated for job %s, %s before it could be carried into "
-                        "generation %d as rank %d; reporting it as that generation's fault", sb.id, w.pid, w.job,
-                        w.detail, w.generation, w.rank)
-            self.wake()
-            return w
-        self._log_line(w, f"=== phalanx: job {w.job} generation {w.generation} rank {w.rank} on node {self.node}: "
-                          f"warm standby {sb.id} (pid {w.pid}) adopted {time.strftime('%H:%M:%S')} ===")
-        log.info("warm standby %s (pid %d) became rank %d/%d of job %s generation %d", sb.id, w.pid, w.rank,
-                 a["world_size"], w.job, w.generation)
-        return w
-
     def _log_line(self, w: Worker, line: str) -> None:
         try:
             with open(w.log_path, "ab") as out:
                 out.write((line + "\n").encode())
         except OSError as err:
             log.warning("could not write to %s: %s", w.log_path, err)
-
-    # ---- warm standbys --------------------------------------------------------------------------------
-    def _keep_standbys(self, wanted: int, stop_extra: bool = True) -> None:
-        """Keep `wanted` standby processes (slots 0..wanted-1); stop the rest (if `stop_extra`). Called under
-        the lock."""
-        for slot, sb in list(self.standbys.items()):
-            if sb.proc.poll() is not None:
-                log.warning("warm standby %s exited with %s; next: start another if still wanted", sb.id,
-                            sb.proc.returncode)
-                del self.standbys[slot]
-            elif slot >= wanted and stop_extra:
-                _signal_group(sb.proc.pid, signal.SIGTERM)
-                try:
-                    sb.proc.wait(timeout=STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    _signal_group(sb.proc.pid, signal.SIGKILL)
-                    sb.proc.wait()
-                del self.standbys[slot]
-        addr = self.store_addr()
-        if self.work_dir is None or not addr:
-            return
-        for slot in range(wanted):
-            if slot in self.standbys:
-                continue
-            self._standby_seq += 1
-            sid = f"{self.node}.{slot}.{os.getpid()}.{self._standby_seq}"
-            env = {**os.environ, protocol.STORE_ADDR: addr, protocol.NODE: self.node, protocol.LOCAL_RANK: str(slot),
-                   protocol.STANDBY_ID: sid, protocol.CLUSTER_TOKEN: self.token}
-            with open(self.work_dir / f"standby-{slot}.log", "ab") as out:
-                proc = subprocess.Popen([sys.executable, "-m", protocol.TRAIN_WORKER_MODULE, "--standby"], env=env,
-                                        cwd=self.work_dir, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, **_own_process_group())
-            self.standbys[slot] = Standby(sid, slot, proc)
-            log.info("warm standby %s started (pid %d)", sid, proc.pid)
-
-    def standby_ids(self) -> dict[str, str]:
-        with self.lock:
-            return {str(s): sb.id for s, sb in self.standbys.items() if sb.proc.poll() is None}
 
     def _start(self, a: dict, rank: int, local_rank: int) -> Worker:
         placement = protocol.WorkerPlacement(
@@ -294,7 +153,7 @@ class WorkerSupervisor:
                           f"started {time.strftime('%H:%M:%S')} ===\n".encode())
                 out.flush()
                 w.proc = subprocess.Popen(a["argv"], cwd=a["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT, **_own_process_group())
+                                          stderr=subprocess.STDOUT, **own_process_group())
         except OSError as err:
             w.state, w.exit_code, w.ended_at = "exited", 127, time.time()
             w.detail = f"could not be started ({' '.join(a['argv'])[:200]} in {a['cwd']}): {err}"
@@ -311,8 +170,8 @@ class WorkerSupervisor:
         w.state, w.stopped, w.stop_sent_at = "stopping", True, now
         log.info("stopping worker rank %d of job %s generation %d (pid %d): no longer assigned; SIGTERM, SIGKILL "
                  "after %.0f s", w.rank, w.job, w.generation, w.pid, STOP_GRACE_S)
-        _signal_group(w.pid, signal.SIGTERM)
-        _signal_group(w.pid, signal.SIGCONT)
+        signal_group(w.pid, signal.SIGTERM)
+        signal_group(w.pid, signal.SIGCONT)
 
     # ---- watching (a thread of the agent, every ~0.1 s) -------------------------------------------------
     def poll(self) -> None:
@@ -332,28 +191,18 @@ class WorkerSupervisor:
                     log.warning("worker rank %d of job %s (pid %d) still running %.0f s after SIGTERM; next: SIGKILL",
                                 w.rank, w.job, w.pid, STOP_GRACE_S)
                     w.killed_after_grace = True
-                    _signal_group(w.pid, signal.SIGKILL)
+                    signal_group(w.pid, signal.SIGKILL)
         if exited:
             self.wake()
 
     def _judge_hang(self, w: Worker, now: float) -> None:
-        silent, timeout = now - w.last_change, self.hang_timeout_s
-        if silent <= timeout:
+        verdict = judge_hang(w, now, self.hang_timeout_s)
+        if verdict is None:
             return
-        beat_silent = now - w.last_beat_change
-        if w.last_beat is not None and beat_silent > timeout / 2:
-            w.frozen = True
-            where = f"after step {w.last_step}" if w.last_step is not None else "while regrouping"
-            w.hang = (f"frozen: no progress for {silent:.1f} s {where} and no liveness beat for "
-                      f"{beat_silent:.1f} s (hang_timeout_s={timeout:g})")
-        elif silent > 2 * timeout and w.last_step is not None:  # (no step yet: regrouping, bounded on its own)
-            w.hang = (f"stalled: no progress for {silent:.1f} s after step {w.last_step} while alive (waiting on "
-                      f"its peers: a deadlock or a stuck collective; 2 × hang_timeout_s={timeout:g})")
-        else:
-            return  # alive and waiting: most likely on a frozen peer, which its own agent kills
+        w.hang, w.frozen = verdict.hang, verdict.frozen
         log.error("worker rank %d of job %s generation %d (pid %d) hung, %s; next: SIGKILL it and report the hang",
                   w.rank, w.job, w.generation, w.pid, w.hang)
-        _signal_group(w.pid, signal.SIGKILL)
+        signal_group(w.pid, signal.SIGKILL)
 
     def _exited(self, w: Worker, code: int) -> None:
         w.state, w.exit_code, w.ended_at = "exited", code, time.time()
@@ -411,7 +260,7 @@ class WorkerSupervisor:
         for w in running:
             if w.proc.poll() is None:
                 log.warning("worker rank %d of job %s (pid %d) ignored SIGTERM; SIGKILL", w.rank, w.job, w.pid)
-                _signal_group(w.pid, signal.SIGKILL)
+                signal_group(w.pid, signal.SIGKILL)
             code = w.proc.wait()
             with self.lock:
                 if w.state != "exited":  # (the watch thread may have seen it first)

@@ -1,4 +1,4 @@
-"""The node agent: `python -m phalanx.control.agent --config WORK_DIR/agent.json`, one per node.
+"""The node agent: `python -m phalanx.control.agent.node_agent --config WORK_DIR/agent.json`, one per node.
 
 It brings its node up and keeps reporting on it:
   1. heartbeats to the controller from the start (the first heartbeat registers it), every
@@ -6,7 +6,7 @@ It brings its node up and keeps reporting on it:
   2. runs the `on_create` lifecycle script in its work dir (output to lifecycle.log; on failure the tail
      goes into the report and the controller marks the node faulty). An executable script is run as is; a
      non-executable one with the interpreter its `#!` line names (like the kernel would), else /bin/sh;
-  3. runs the health checks (`phalanx.control.health`) now and then every `check_interval_s`.
+  3. runs the health checks (`phalanx.control.agent.health`) now and then every `check_interval_s`.
 
 The controller answers each heartbeat with what it wants: keep running, or terminate; the workers this
 node must run (job assignments, with each rank's relayed progress); and injected faults (`fail-health`
@@ -35,11 +35,11 @@ import threading
 import time
 from pathlib import Path
 
-from phalanx.control import health
-from phalanx.control.deep_check import DeepCheckRunner
+from phalanx.control.agent import health
+from phalanx.control.agent.deep_check import DeepCheckRunner
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
-from phalanx.control.paths import PRIVATE_UMASK
-from phalanx.control.workers import WorkerSupervisor
+from phalanx.control.state.paths import PRIVATE_UMASK
+from phalanx.control.agent.supervisor import WorkerSupervisor
 
 log = logging.getLogger("phalanx.agent")
 TAIL_LINES = 20

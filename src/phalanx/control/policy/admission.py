@@ -1,0 +1,101 @@
+"""Admission: which jobs the controller accepts (`submit`), finds, cancels and describes, for the API.
+A refusal is a `JobRequestError` carrying the HTTP status the API answers with; nothing is started.
+
+Part of `JobScheduler` (a mixin over its store and records). Must not know: heartbeats, faults, processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from phalanx import protocol
+from phalanx.control.state.jobs import ACTIVE, FINAL, Job, JobState
+from phalanx.control.state.store import ClusterStatus, NodeState
+
+log = logging.getLogger("phalanx.scheduler")
+J, S = JobState, NodeState
+
+
+class JobRequestError(ValueError):
+    """A job request the controller refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Admission:
+    # ---- API: submit, cancel, describe --------------------------------------------------------------
+    def submit(self, *, kind: str, nodes: int, name: str | None = None, group: str | None = None,
+               argv: list[str] | None = None, config: dict | None = None, checkpoint_dir: str | None = None,
+               cwd: str, env: dict | None = None, auto_resume: bool = False, max_retries: int = 0,
+               recovery: str = "restart") -> Job:
+        status = self.store.cluster()["status"]
+        if status not in (ClusterStatus.IN_SERVICE.value, ClusterStatus.DEGRADED.value):
+            raise JobRequestError(409, f"cluster {self.spec.name} is {status}; jobs run on a cluster in service")
+        g = self._group(group)
+        if nodes > g.count:
+            raise JobRequestError(422, f"--nodes {nodes} is more than group {g.name} has: {g.count} worker nodes "
+                                       f"(+{g.spares} spares, which stand by to replace faulty nodes and run no "
+                                       f"jobs); use --nodes {g.count} or fewer, or grow the group's count")
+        if kind == "train":
+            if config is None or not checkpoint_dir:
+                raise JobRequestError(422, "a train job needs its resolved config and checkpoint_dir")
+            argv = [sys.executable, "-m", protocol.TRAIN_WORKER_MODULE]
+        elif not argv:
+            raise JobRequestError(422, "a command job needs a command (`phalanx job submit --nodes N -- CMD ...`)")
+        if recovery == protocol.CHECKPOINTLESS:
+            if kind != "train":
+                raise JobRequestError(422, "--recovery checkpointless needs a training config: a command's state "
+                                           "is unknown to Phalanx (use --auto-resume to rerun it on a fault)")
+            auto_resume = True  # recovering in place is resuming; the checkpoint stays the fallback
+        with self.lock:
+            job = self.records.add_job(name=name, kind=kind, group=g.name, nodes=nodes,
+                                       workers_per_node=g.profile.worker_slots, argv=argv, cwd=cwd, env=env or {},
+                                       config=config, jobs_root=str(self.jobs_root), checkpoint_dir=checkpoint_dir,
+                                       auto_resume=auto_resume, max_retries=max_retries, recovery=recovery)
+        (Path(job.job_dir) / "logs").mkdir(parents=True, exist_ok=True)
+        if config is not None:
+            (Path(job.job_dir) / "config.json").write_text(json.dumps(config, indent=2))
+        log.info("job %s (%s) submitted: %d nodes × %d workers", job.id, job.name, nodes, job.workers_per_node)
+        return job
+
+    def _group(self, name: str | None):
+        groups = self.spec.instance_groups
+        if name is None:
+            if len(groups) > 1:
+                raise JobRequestError(422, f"cluster has several instance groups ({', '.join(g.name for g in groups)})"
+                                           f"; name one with --group")
+            return groups[0]
+        try:
+            return self.spec.group(name)
+        except KeyError:
+            raise JobRequestError(422, f"no instance group {name!r}; groups: "
+                                       f"{', '.join(g.name for g in groups)}") from None
+
+    def find(self, key: str) -> Job:
+        job = self.records.find(key)
+        if job is None:
+            raise JobRequestError(404, f"no job {key!r} (`phalanx job list` shows the jobs)")
+        return job
+
+    def cancel(self, key: str, reason: str = "cancelled by the user") -> Job:
+        with self.lock:
+            job = self.find(key)
+            if job.state in FINAL:
+                raise JobRequestError(409, f"job {job.id} is already {job.state.value}")
+            self._stop_generation(job, f"job cancelled: {reason}")
+            job = self.records.transition(job.id, J.CANCELLED, f"{reason}; its workers are being stopped")
+        log.info("job %s cancelled (%s); next: its workers are stopped", job.id, reason)
+        return job
+
+    def cancel_all(self, reason: str) -> None:
+        for job in self.records.jobs((J.PENDING, *ACTIVE)):
+            self.cancel(job.id, reason)
+
+    def describe(self, key: str) -> dict:
+        return self.records.describe(self.find(key))
+

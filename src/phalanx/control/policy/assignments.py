@@ -1,0 +1,173 @@
+"""Assignments: what each node's agent should run, told in its heartbeat reply, and what its agent reports
+back. `ingest()` records the agent's worker reports; `assignments()` builds the node's part of each running
+generation (ranks, env, the progress its hang rule judges); `_publish()` writes a checkpointless
+generation's layout and the warm standbys' signed assignments to the rendezvous store.
+
+Part of `JobScheduler` (a mixin over its store, records and rendezvous). Must not know: fault policy (the
+scheduler decides; this only tells), how an agent starts a process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from phalanx import protocol
+from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobState
+from phalanx.control.state.store import Node, NodeState
+from phalanx.observability.events import EventKind as E
+
+log = logging.getLogger("phalanx.scheduler")
+J, S = JobState, NodeState
+
+
+class Assignments:
+    # ---- heartbeats ---------------------------------------------------------------------------------
+    def ingest(self, node: Node, reports: list[dict], acked_at: float | None) -> None:
+        """Record an agent's worker reports (one row per job, generation and rank)."""
+        with self.lock:
+            self.records.set_node_ack(node.name, acked_at)
+            known = {(w.job, w.generation, w.rank): w for w in self.records.workers(node=node.name)}
+            seen = set()
+            for r in reports:
+                key = (r["job"], r["generation"], r["rank"])
+                seen.add(key)
+                old = known.get(key)
+                row = {"job": r["job"], "generation": r["generation"], "rank": r["rank"], "node": node.name,
+                       "local_rank": r["local_rank"], "pid": r["pid"], "state": r["state"],
+                       "exit_code": r["exit_code"], "detail": r["detail"], "hang": r["hang"],
+                       "frozen": int(r["frozen"]), "stopped": int(r["stopped"]), "step": old.step if old else None,
+                       "started_at": r["started_at"], "ended_at": r["ended_at"]}
+                if old is not None and all(getattr(old, k) == v for k, v in row.items()):
+                    continue
+                self.records.put_worker(row)
+                if r.get("carried_from"):  # a survivor now serves this generation
+                    g, rank = r["carried_from"]
+                    seen.add((r["job"], g, rank))
+                    self.records.update_worker(r["job"], g, rank, state="carried",
+                                               detail=f"process carried into generation {r['generation']} as "
+                                                      f"rank {r['rank']}")
+                if r["state"] == "exited" and (old is None or old.state != "exited") and not r["stopped"] \
+                        and r["exit_code"] != 0:
+                    what = f"rank {r['rank']} (pid {r['pid']}) on {node.name} {r['detail']}"
+                    self.store.record_event(E.WORKER_EXIT, what + (f"; hung: {r['hang']}" if r["hang"] else ""),
+                                            node=node.name, job=r["job"])
+            for key, old in known.items():
+                if key not in seen and old.live:
+                    self.records.update_worker(*key, state="lost", detail="no longer reported by its agent")
+
+    def assignments(self, node: Node) -> tuple[float, list[dict], int]:
+        """(sent_at, the workers `node` must run, the warm standbys it should keep). sent_at is taken first,
+        under the lock: an agent that echoes it back has seen every stop decided before it."""
+        with self.lock:
+            sent_at = time.time()
+            if node.state != S.HEALTHY:
+                return sent_at, [], 0
+            out = []
+            for job in self.records.jobs(ACTIVE):
+                gen = self.records.generation(job.id, job.generation)
+                if gen is None or node.name not in gen.nodes:
+                    continue
+                if job.state == J.RECOVERING:
+                    if self.inplace.in_place(job, gen):  # survivors wait in their processes for the next generation
+                        out.append({"job": job.id, "generation": gen.generation, "hold": True, "ranks": []})
+                    continue
+                if gen.stop_at is not None:
+                    continue
+                per = job.workers_per_node
+                first = protocol.rank_of(gen.nodes, node.name, 0, per)
+                survivors = self.inplace.survivor_slots(job, gen)
+                carried = self.inplace.carried_standbys(job, gen) if survivors else {}
+                ranks = [{"rank": first + i, "local_rank": i,
+                          "standby": gen.standbys.get(str(first + i)) or carried.get((node.name, i)),
+                          "carry": (node.name, i) in survivors} for i in range(per)]
+                progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
+                out.append({"recovery": job.recovery,
+                    "job": job.id, "generation": gen.generation, "argv": job.argv, "cwd": job.cwd,
+                    "env": self._worker_env(job), "log_dir": str(Path(job.job_dir) / "logs"),
+                    "world_size": job.world_size, "local_world_size": per, "master_addr": gen.master_addr,
+                    "master_port": gen.master_port, "store_addr": gen.store_addr or "",
+                    "checkpoint_dir": job.checkpoint_dir,
+                    "config_path": str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,
+                    "ranks": ranks, "progress": {str(k): v for k, v in progress.items()}, "hang_detection": relayed,
+                })
+            return sent_at, out, self.standby_wanted(node)
+
+    def standby_wanted(self, node: Node) -> int:
+        """Warm standby workers `node`'s agent should keep: one per slot on an idle healthy node of a group
+        with warm_standby (a spare, or a member no job holds)."""
+        if node.state != S.HEALTHY or not self.spec.group(node.group).warm_standby:
+            return 0
+        with self.lock:
+            busy = any(node.name in j.nodes for j in self.records.jobs(ACTIVE))
+            return 0 if busy else self.spec.group(node.group).profile.worker_slots
+
+    def _worker_env(self, job: Job) -> dict:
+        env = dict(self.backend.worker_env())
+        env.update(job.env)
+        return env
+
+    def _progress(self, job: Job, gen: Generation, ranks: list[int]) -> tuple[dict[int, dict], bool]:
+        """Each rank's {"step", "beat"}, and whether they can be relied on (False: agents' hang checks off)."""
+        if self.read_progress is None:
+            return {}, False
+        if gen.store_addr != self.store_addr():
+            self._say(f"store:{job.id}:{gen.generation}", f"job {job.id}: the rendezvous store moved from "
+                      f"{gen.store_addr} to {self.store_addr()} (controller restart, old port taken); hang detection "
+                      f"is off for generation {gen.generation}, next: back on from the next generation")
+            return {}, False
+        try:
+            progress = self.read_progress(job.id, gen.generation, ranks)
+        except RuntimeError as err:  # torch's store errors
+            self._say(f"read:{job.id}", f"job {job.id}: cannot read progress from the rendezvous store ({err}); "
+                                        f"hang detection paused, next: retrying at the next heartbeat")
+            return {}, False
+        self._said.pop(f"read:{job.id}", None)
+        for w in self.records.workers(job=job.id, generation=gen.generation):
+            step = (progress.get(w.rank) or {}).get("step")
+            if step is not None and step != w.step:
+                self.records.update_worker(job.id, gen.generation, w.rank, step=step)
+        return progress, True
+
+    def _publish(self, job: Job, gen: Generation) -> None:
+        """Store keys of a new generation: the layout and number (checkpointless workers watch them), and the
+        env of every rank a warm standby may take (it starts at once, without waiting for a heartbeat)."""
+        if self.rendezvous is None:
+            return
+        per = job.workers_per_node
+        try:
+            used = {}
+            for name in self.inplace.standby_nodes(job, gen):
+                node = self.store.node(name)
+                ready = ((node.report or {}).get("standbys") or {}) if node is not None else {}
+                for local in range(per):
+                    standby = ready.get(str(local))
+                    if standby is None:
+                        continue  # its agent starts a fresh process for this rank
+                    rank = protocol.rank_of(gen.nodes, name, local, per)
+                    env = protocol.worker_env(self._placement(job, gen, name, rank, local), base=self._worker_env(job))
+                    self.rendezvous.set(protocol.standby_key(standby), protocol.standby_assignment(
+                        self.token, standby, env, str(Path(job.job_dir) / "logs" / f"rank{rank}.log")))
+                    used[str(rank)] = standby
+            if used:
+                self.records.update_generation(job.id, gen.generation, standbys=used)
+            self.inplace.publish(job, gen)
+        except RuntimeError as err:  # the store is the controller's own: this is a bug or a dying controller
+            log.error("job %s generation %d: could not publish to the rendezvous store (%s)", job.id,
+                      gen.generation, err)
+
+    def republish(self) -> None:
+        """A restarted controller's store is empty: publish the current generation of every active
+        checkpointless job again (its workers watch for it)."""
+        with self.lock:
+            self.inplace.republish()
+
+    def _placement(self, job: Job, gen: Generation, node: str, rank: int, local: int) -> protocol.WorkerPlacement:
+        return protocol.WorkerPlacement(
+            job_id=job.id, generation=gen.generation, rank=rank, world_size=job.world_size, local_rank=local,
+            local_world_size=job.workers_per_node, master_addr=gen.master_addr, master_port=gen.master_port,
+            store_addr=gen.store_addr or "", checkpoint_dir=job.checkpoint_dir, cluster_token=self.token,
+            config_path=str(Path(job.job_dir) / "config.json") if job.kind == "train" else None, node=node,
+            recovery=job.recovery)
+

@@ -1,0 +1,133 @@
+"""The contract every backend keeps (`phalanx.control.backends.base.Backend`), run against each backend: real
+nodes (for `local`: agent processes on this machine, with no controller to talk to — they keep retrying,
+which is all these tests need), real signals, real ports. The Slurm backend joins the `backend` fixture's
+list when it lands."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from phalanx.control.backends import Backend, make_backend
+from phalanx.control.spec import SpecError, spec_from_dict
+from phalanx.control.state.paths import ClusterPaths
+from phalanx.control.state.store import Store
+
+BACKENDS = ["local"]
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Cluster:
+    """A cluster directory with its store and backend, and no controller: nodes are launched by hand."""
+
+    def __init__(self, root, kind: str):
+        self.paths = ClusterPaths(root / "c1")
+        self.paths.root.mkdir(parents=True, mode=0o700)
+        group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2, "spares": 0,
+                 "warm_standby": False}
+        self.spec = spec_from_dict({"name": "c1", "backend": kind, "instance_groups": [group]})
+        self.paths.write_token()
+        self.store = Store(self.paths.db)
+        self.store.initialize(self.spec)
+        self.backend = make_backend(self.spec, self.paths)
+        self.launched = []
+
+    def launch(self):
+        node = self.store.add_node("workers", is_spare=False, work_root=self.backend.work_root(), reason="test")
+        handle = self.backend.launch(node)
+        self.store.update_node(node.name, pid=handle)
+        node = self.store.node(node.name)
+        self.launched.append(node)
+        return node
+
+    def close(self):
+        self.backend.teardown(self.launched, grace_s=3.0)
+        leaked = self.backend.sweep(self.store.nodes())
+        self.store.close()
+        assert not leaked, f"processes left behind: {leaked}"
+
+
+@pytest.fixture(params=BACKENDS)
+def cluster(request, tmp_path):
+    c = Cluster(tmp_path, request.param)
+    yield c
+    c.close()
+
+
+def test_make_backend_gives_a_backend_and_refuses_one_not_built(cluster):
+    assert isinstance(cluster.backend, Backend)
+    spec = cluster.spec.model_copy(update={"backend": "slurm"})
+    with pytest.raises(SpecError, match="backend 'slurm' is not yet implemented"):
+        make_backend(spec, cluster.paths)
+
+
+def test_a_launched_node_runs_until_terminated_then_says_how_it_ended(cluster):
+    node = cluster.launch()
+    assert isinstance(node.pid, int) and node.pid > 0
+    assert cluster.backend.gone(node) is None
+    assert node.work_dir.startswith(str(cluster.backend.work_root()))
+    cluster.backend.terminate(node)
+    why = wait_for(lambda: cluster.backend.gone(node), 10, "the node to end after terminate")
+    assert str(node.pid) in why
+    cluster.backend.terminate(node)  # a node already gone: nothing happens
+
+
+def test_kill_ends_the_whole_node_at_once(cluster):
+    node = cluster.launch()
+    killed = cluster.backend.kill(node)
+    assert node.pid in killed
+    wait_for(lambda: cluster.backend.gone(node), 5, "the killed node to be gone")
+
+
+def test_a_frozen_node_is_alive_but_stopped_and_terminate_still_ends_it(cluster):
+    node = cluster.launch()
+    cluster.backend.freeze(node)
+    time.sleep(0.3)
+    assert cluster.backend.gone(node) is None  # frozen is not gone: only silent
+    cluster.backend.terminate(node)
+    wait_for(lambda: cluster.backend.gone(node), 10, "the frozen node to end after terminate")
+    with pytest.raises(ProcessLookupError):
+        cluster.backend.freeze(node)
+
+
+def test_signal_worker_reaches_only_the_nodes_own_workers(cluster):
+    node = cluster.launch()
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(ProcessLookupError):
+            cluster.backend.signal_worker(node, stranger.pid, signal.SIGKILL)
+        with pytest.raises(ProcessLookupError):  # nor the agent itself
+            cluster.backend.signal_worker(node, node.pid, signal.SIGKILL)
+        assert stranger.poll() is None and cluster.backend.gone(node) is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_free_port_on_a_node_can_be_bound_at_its_host(cluster):
+    node = cluster.launch()
+    host, port = cluster.backend.node_host(node), cluster.backend.free_port(node)
+    with socket.socket() as s:
+        s.bind((host, port))
+    env = cluster.backend.worker_env(node)
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+
+
+def test_teardown_stops_every_running_node_and_sweep_finds_nothing_left(cluster):
+    nodes = [cluster.launch(), cluster.launch()]
+    assert cluster.backend.teardown(nodes, grace_s=3.0) == 2
+    assert all(cluster.backend.gone(n) for n in nodes)
+    assert cluster.backend.sweep(cluster.store.nodes()) == []
+    assert cluster.backend.teardown(nodes, grace_s=3.0) == 0
