@@ -20,8 +20,8 @@ import pytest
 
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import run_training, tiny_config
-from phalanx.control.cluster import ClusterClient, create_cluster
-from phalanx.control.jobs import JobClient
+from phalanx.control.client.cluster import ClusterClient, create_cluster
+from phalanx.control.client.jobs import JobClient
 from test_jobs import step_at_least, write_config, write_spec
 
 pytestmark = pytest.mark.slow

@@ -194,7 +194,7 @@ def test_a_fault_during_recovery_keeps_the_step_of_the_first(monkeypatch):
 
 # ---- the agent: a standby activated by a failed generation --------------------------------------------------------
 def _supervisor(tmp_path):
-    from phalanx.control.workers import WorkerSupervisor
+    from phalanx.control.agent.supervisor import WorkerSupervisor
 
     return WorkerSupervisor("n1", "tok", 60.0, wake=lambda: None, work_dir=None)
 
@@ -207,7 +207,7 @@ def _assignment(tmp_path, generation: int, **rank) -> dict:
 
 
 def test_the_agent_adopts_a_standby_a_failed_generation_activated_as_the_survivor(tmp_path):
-    from phalanx.control.workers import Standby
+    from phalanx.control.agent.supervisor import Standby
 
     sup = _supervisor(tmp_path)
     proc = subprocess.Popen(["sleep", "60"])
@@ -226,7 +226,7 @@ def test_the_agent_adopts_a_standby_a_failed_generation_activated_as_the_survivo
 
 
 def test_an_activated_standby_that_died_is_reported_as_the_generations_fault(tmp_path):
-    from phalanx.control.workers import Standby
+    from phalanx.control.agent.supervisor import Standby
 
     sup = _supervisor(tmp_path)
     proc = subprocess.Popen(["sh", "-c", "kill -9 $$"])
@@ -242,9 +242,9 @@ def test_an_activated_standby_that_died_is_reported_as_the_generations_fault(tmp
 # ---- the controller: no endless in-place loop ---------------------------------------------------------------------
 def _policy(tmp_path):
     """A job's tables in SQLite (no cluster row: the policy reads jobs and generations) and its policy."""
-    from phalanx.control.inplace import InPlaceRecovery
-    from phalanx.control.jobstate import JobRecords
-    from phalanx.control.store import SCHEMA, Store
+    from phalanx.control.policy.inplace import InPlaceRecovery
+    from phalanx.control.state.jobs import JobRecords
+    from phalanx.control.state.store import SCHEMA, Store
 
     store = Store(tmp_path / "state.db")
     store._db.executescript(SCHEMA)
@@ -256,7 +256,7 @@ def _policy(tmp_path):
 
 
 def test_repeated_failed_regroups_end_in_a_restart_not_a_loop(tmp_path):
-    from phalanx.control.inplace import MAX_FAILED_REGROUPS
+    from phalanx.control.policy.inplace import MAX_FAILED_REGROUPS
 
     store, records, job, policy = _policy(tmp_path)
     records.add_generation(job.id, 1, ["a", "b"], "127.0.0.1", 1, None)

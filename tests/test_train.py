@@ -166,7 +166,7 @@ def test_torchrun_max_restarts_resumes_after_a_killed_rank(tmp_path, demo_data):
     import sys
     import time
 
-    from phalanx.control.backend import child_with_env
+    from phalanx.control.backends.local import child_with_env
     from phalanx.train.config import dump_config
 
     config = tiny_config(tmp_path / "run", demo_data, training={"max_steps": 40, "log_interval": 10},
