@@ -19,16 +19,16 @@ def model_config(preset: str, **overrides):
 
 
 def run_layouts(cases: list[dict], tokens: torch.Tensor, seed: int) -> dict:
-    """On every rank: for each case {name, preset, overrides, degrees}, build on meta, apply tp/ep/fsdp like the
-    trainer, materialise, run this rank's slice of `tokens`, backward. Rank 0's return value holds, per case:
+    """On every rank: for each case {name, preset, overrides, degrees}, build on meta, `parallelize` it as the
+    trainer does, materialise, run this rank's slice of `tokens`, backward. Rank 0's return value holds, per case:
     loss and aux (means over ranks = the global micro-batch's), full gradients, full initial parameters, the
     local shape of each parameter, the global MoE load and the clipped-grad norm."""
     import torch.distributed as dist
 
     from phalanx.models import Transformer
     from phalanx.parallel import (
-        ParallelDims, apply_ep, apply_fsdp, apply_tp, build_mesh, canonical_name, clip_grad_norm_, dp_rank,
-        materialize, moe_load, random_init_source,
+        ParallelDims, build_mesh, canonical_name, clip_grad_norm_, dp_rank, materialize, moe_load, parallelize,
+        random_init_source,
     )
 
     world, out = dist.get_world_size(), {}
@@ -39,11 +39,7 @@ def run_layouts(cases: list[dict], tokens: torch.Tensor, seed: int) -> dict:
         with torch.device("meta"):
             model = Transformer(config)
         mesh = build_mesh(dims, "cpu")
-        if mesh.tp is not None:
-            apply_tp(model, mesh.tp)
-        if config.is_moe:
-            apply_ep(model, mesh)
-        apply_fsdp(model, mesh, precision="fp32")
+        parallelize(model, mesh, precision="fp32")
         materialize(model, "cpu", random_init_source(model, seed))
         params = {canonical_name(n): p.full_tensor() for n, p in model.named_parameters()}
         local_shapes = {canonical_name(n): tuple(p.to_local().shape) for n, p in model.named_parameters()}

@@ -1,6 +1,8 @@
 """Parallelism applied to an unchanged model: mesh from degrees, FSDP2/HSDP, tensor and expert parallelism,
-activation checkpointing, delayed init. Knows nothing about the controller, agents or data."""
+activation checkpointing (all four in order: `parallelize`), delayed init. Knows nothing about the controller,
+agents, data or the training loop."""
 
+from phalanx.parallel.apply import parallelize
 from phalanx.parallel.dims import ParallelConfigError, ParallelDims, ParallelMesh, build_mesh, dp_rank
 from phalanx.parallel.ep import apply_ep, moe_load
 from phalanx.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_, mixed_precision
@@ -22,5 +24,6 @@ __all__ = [
     "materialize",
     "mixed_precision",
     "moe_load",
+    "parallelize",
     "random_init_source",
 ]
