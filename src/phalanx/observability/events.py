@@ -21,6 +21,7 @@ class EventKind(str, Enum):
     WAITING = "waiting"  # a group or job waits for capacity
     FAULT_INJECTED = "fault-injected"  # `phalanx fault inject`
     # jobs (controller)
+    JOB = "job"  # a job's state changed (state/jobs.py)
     GENERATION = "generation"  # a job's generation started
     WORKER_EXIT = "worker-exit"  # a worker exited (and how)
     HANG = "hang"  # an agent killed a hung worker

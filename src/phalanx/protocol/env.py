@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from phalanx.protocol.version import PROTOCOL_ENV, PROTOCOL_VERSION
+
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
@@ -65,6 +67,7 @@ def worker_env(p: WorkerPlacement, base: Mapping[str, str] | None = None) -> dic
         JOB_ID: p.job_id, GENERATION: str(p.generation), STORE_ADDR: p.store_addr,
         CHECKPOINT_DIR: p.checkpoint_dir, CLUSTER_TOKEN: p.cluster_token, NODE: p.node, RECOVERY: p.recovery,
     })
+    env[PROTOCOL_ENV] = str(PROTOCOL_VERSION)  # the worker refuses another version (`progress_reporter`)
     if p.config_path is not None:
         env[CONFIG] = p.config_path
     return env

@@ -18,6 +18,7 @@ from typing import Mapping
 from phalanx.protocol.env import CLUSTER_TOKEN, GENERATION, JOB_ID, RANK, STORE_ADDR, parse_store_addr
 from phalanx.protocol.keys import alive_key, progress_key
 from phalanx.protocol.store import connect_store
+from phalanx.protocol.version import PROTOCOL_ENV, check_version
 
 BEAT_S = 0.5  # how often a worker's reporter bumps its liveness counter
 log = logging.getLogger("phalanx.progress")
@@ -126,5 +127,6 @@ def progress_reporter(env: Mapping[str, str] | None = None) -> ProgressReporter 
     env = os.environ if env is None else env
     if not env.get(STORE_ADDR) or not env.get(JOB_ID):
         return None
+    check_version(env.get(PROTOCOL_ENV), f"the agent that started this worker ({PROTOCOL_ENV})")
     return ProgressReporter(env[STORE_ADDR], env[JOB_ID], int(env[GENERATION]), int(env[RANK]),
                             token=env.get(CLUSTER_TOKEN))

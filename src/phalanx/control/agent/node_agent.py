@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 from phalanx.control.agent import health
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolMismatch, check_version
+from phalanx.protocol.messages import HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import PRIVATE_UMASK
@@ -200,11 +202,13 @@ class Agent:
 
     def heartbeat_body(self) -> dict:
         with self.lock:
-            return {"pid": os.getpid(), "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
+            return {"protocol": PROTOCOL_VERSION, "pid": os.getpid(), "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
                     "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at,
                     "deep_check": self.deep.result(), "standbys": self.workers.standby_ids()}
 
     def handle_reply(self, reply: dict, body: dict) -> None:
+        check_version(reply.get("protocol"), "the controller")
+        reply = HeartbeatReply.model_validate(reply).model_dump()
         gap = self.relay_gap or reply.get("controller") != self.controller_id
         self.relay_gap, self.controller_id = False, reply.get("controller")
         if reply.get("action") != "terminate":
@@ -260,9 +264,15 @@ class Agent:
                     log.warning("controller unreachable (%s); node and workers keep running, retrying every %g s",
                                 err, self.interval)
                 url = self.endpoint_url()
+            except ProtocolMismatch as err:
+                self.exit_reason = f"cannot work with this controller: {err}"
+                break
             except ApiError as err:
                 self.relay_gap = True
                 self.workers.relay_down()
+                if err.status == 409 and "protocol version" in str(err.detail):
+                    self.exit_reason = f"the controller refuses this agent: {err.detail}"
+                    break
                 if err.status in (404, 410):
                     self.exit_reason = f"controller does not know node {self.name} ({err.detail})"
                     break

@@ -36,43 +36,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from phalanx.control.state.jobs import JobState
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolMismatch, check_version
+from phalanx.protocol.messages import Heartbeat, HeartbeatReply
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.state.store import ClusterStatus, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
 S = NodeState
 FAULT_KINDS = ("kill-node", "fail-health", "freeze-node", "kill-worker", "hang-worker")
-
-
-class WorkerReport(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    job: str
-    generation: int
-    rank: int
-    local_rank: int
-    pid: int | None
-    state: Literal["running", "stopping", "exited"]
-    exit_code: int | None
-    detail: str | None
-    hang: str | None
-    frozen: bool = False
-    stopped: bool
-    started_at: float
-    ended_at: float | None
-    carried_from: list[int] | None = None  # checkpointless: [generation, rank] this process served before
-
-
-class Heartbeat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    pid: int
-    phase: str
-    lifecycle: dict | None = None
-    health: dict | None = None
-    sent_at: float
-    workers: list[WorkerReport] = []
-    reply_sent_at: float | None = None  # the last reply the agent acted on
-    deep_check: dict | None = None  # the result of the newest deep-check round the node took part in
-    standbys: dict[str, str] = {}  # local rank → id of the warm standby worker waiting on that slot
 
 
 class FaultRequest(BaseModel):
@@ -192,6 +163,10 @@ def build_app(ctl) -> FastAPI:
 
     @app.post("/v1/nodes/{name}/heartbeat")
     def heartbeat(name: str, hb: Heartbeat) -> dict:
+        try:
+            check_version(hb.protocol, f"the agent of node {name}")
+        except ProtocolMismatch as err:
+            raise HTTPException(409, str(err)) from None
         node = node_or_404(name)
         if node.state == S.TERMINATED:
             raise HTTPException(410, f"node {name} is terminated ({node.reason})")
@@ -203,13 +178,16 @@ def build_app(ctl) -> FastAPI:
         ctl.jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)
         status = store.cluster()["status"]
         sent_at, workers, standby = ctl.jobs.assignments(store.node(name))
-        reply = {"sent_at": sent_at, "controller": ctl.started_at, "workers": [], "faults": []}
+        reply = {"protocol": PROTOCOL_VERSION, "sent_at": sent_at, "controller": ctl.started_at, "workers": [],
+                 "faults": []}
         if node.state == S.REPLACING:
-            return {**reply, "action": "terminate", "reason": node.reason}
-        if status in (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
-            return {**reply, "action": "terminate", "reason": f"cluster is {status}"}
-        return {**reply, "action": "run", "state": node.state.value, "faults": store.take_directives(name),
-                "workers": workers, "standby": standby, "deep_check": ctl.deep_checks.assignment(node)}
+            reply.update(action="terminate", reason=node.reason)
+        elif status in (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
+            reply.update(action="terminate", reason=f"cluster is {status}")
+        else:
+            reply.update(action="run", state=node.state.value, faults=store.take_directives(name), workers=workers,
+                         standby=standby, deep_check=ctl.deep_checks.assignment(node))
+        return HeartbeatReply.model_validate(reply).model_dump(exclude_unset=True)
 
     @app.post("/v1/nodes/{name}/faults", status_code=202)
     def inject_fault(name: str, req: FaultRequest) -> dict:

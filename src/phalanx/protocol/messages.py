@@ -1,0 +1,134 @@
+"""The wire messages between an agent and the controller, typed: the heartbeat an agent sends (its phase,
+lifecycle and health results, its workers), the controller's reply (what the node must run), an assignment
+(one generation of one job on the node), the deep-check part of a reply, and the recovery summary a
+checkpointless generation's rank 0 leaves in the store (`keys.recovered_key`).
+
+Both sides validate at the edge: the controller parses every heartbeat with `Heartbeat` (an unknown field is
+refused, naming it), the agent every reply with `HeartbeatReply`; both carry `protocol`, and a side that
+meets another version refuses with `version.ProtocolMismatch` instead of misreading a field.
+
+Must not know: how the controller decides, how an agent starts processes; pydantic only.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from phalanx.protocol.version import PROTOCOL_VERSION
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerReport(_Message):
+    """One worker, as its agent reports it in every heartbeat."""
+
+    job: str
+    generation: int
+    rank: int
+    local_rank: int
+    pid: int | None
+    state: Literal["running", "stopping", "exited"]
+    exit_code: int | None
+    detail: str | None
+    hang: str | None
+    frozen: bool = False
+    stopped: bool
+    started_at: float
+    ended_at: float | None
+    carried_from: list[int] | None = None  # checkpointless: [generation, rank] this process served before
+
+
+class Heartbeat(_Message):
+    """Agent → controller, every `heartbeat_interval_s`."""
+
+    protocol: int | None = None  # the agent's PROTOCOL_VERSION (None: an agent older than versioning)
+    pid: int
+    phase: str
+    lifecycle: dict | None = None
+    health: dict | None = None
+    sent_at: float
+    workers: list[WorkerReport] = []
+    reply_sent_at: float | None = None  # the last reply the agent acted on
+    deep_check: dict | None = None  # the result of the newest deep-check round the node took part in
+    standbys: dict[str, str] = {}  # local rank → id of the warm standby worker waiting on that slot
+
+
+class RankSlot(_Message):
+    rank: int
+    local_rank: int
+    standby: str | None = None  # the warm standby the controller told to become this rank
+    carry: bool = False  # checkpointless: the survivor on this slot serves the new generation
+
+
+class Progress(_Message):
+    step: int | None = None
+    beat: int | None = None
+
+
+class Assignment(_Message):
+    """One generation of one job on the node. A checkpointless job between generations is `hold`: its
+    survivors wait in their processes (no ranks)."""
+
+    job: str
+    generation: int
+    hold: bool = False
+    ranks: list[RankSlot] = []
+    recovery: str | None = None
+    argv: list[str] | None = None
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    log_dir: str | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    store_addr: str | None = None
+    checkpoint_dir: str | None = None
+    config_path: str | None = None
+    progress: dict[str, Progress] = {}  # rank → what the agent's hang rule judges
+    hang_detection: bool = True
+
+
+class DeepCheckPart(_Message):
+    id: str
+    nodes: list[str]
+    node_rank: int
+    procs_per_node: int
+    master_addr: str
+    master_port: int
+    size_mb: float
+    iters: int
+    timeout_s: float
+    env: dict[str, str] = {}
+
+
+class HeartbeatReply(_Message):
+    """Controller → agent: run these workers (`action` run), or stop (`terminate`, with the reason)."""
+
+    protocol: int = PROTOCOL_VERSION
+    sent_at: float
+    controller: float  # the controller process's start time: agents restart their hang clocks on a change
+    action: Literal["run", "terminate"]
+    reason: str | None = None
+    state: str | None = None
+    workers: list[Assignment] = []
+    faults: list[str] = []  # operator-injected faults the node's next health check reports
+    standby: int = 0  # warm standby workers to keep
+    deep_check: DeepCheckPart | None = None
+
+
+class RecoverySummary(BaseModel):
+    """What the new rank 0 of a checkpointless generation writes once state is restored (extra fields are
+    kept: the events it carries grow with the recovery's phases)."""
+
+    model_config = ConfigDict(extra="allow")
+    source: str  # where the state came from: a peer replica, a buddy's snapshot, the checkpoint
+    step: int
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    reason: str | None = None
+    events: list[dict] = []  # the recovery's events (fault_detected, pg_rebuilt, resumed), as in metrics.jsonl
