@@ -27,6 +27,7 @@ class EventKind(str, Enum):
     HANG = "hang"  # an agent killed a hung worker
     RECOVERY = "recovery"  # what the controller does about a fault
     # a run (training runtime; checkpointless recovery also to the controller)
+    STARTED = "started"  # a run (or a generation of it) started: world size, layout, where it starts from
     CHECKPOINT_STARTED = "checkpoint_started"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a corrupt checkpoint passed over on resume

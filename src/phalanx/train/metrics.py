@@ -1,4 +1,4 @@
-"""Run output: `metrics.jsonl` (one object per step, plus `event` lines) and the progress line.
+"""Run output: `metrics.jsonl` (one object per step, plus `event` lines of an `EventKind`) and the progress line.
 
 Only rank 0 writes. Knows nothing about models or parallelism.
 """
@@ -11,6 +11,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+
+from phalanx.observability.events import EventKind, event_kind
 
 
 class MetricsWriter:
@@ -40,7 +42,8 @@ class MetricsWriter:
                 f"iter {record['step_time_s']:.3f}s {record['tokens_per_s']:,.0f} tok/s"
             )
 
-    def event(self, kind: str, **fields) -> None:
+    def event(self, kind: EventKind | str, **fields) -> None:
+        kind = event_kind(kind).value  # one vocabulary with the controller's events
         if not self.enabled:
             return
         self._write({"time": time.time(), "event": kind, **fields})
