@@ -100,9 +100,7 @@ def warm_up(device: torch.device) -> None:
     fault does not pay those first-call costs (lazy imports, dispatch tables) on the recovery's critical
     path. A 1-layer model of tiny shapes; everything is released before returning."""
     from phalanx.models import Transformer, get_preset
-    from phalanx.parallel import ParallelDims, apply_fsdp, build_mesh, materialize, random_init_source
-    from phalanx.parallel.ep import apply_ep
-    from phalanx.parallel.fsdp import clip_grad_norm_
+    from phalanx.parallel import ParallelDims, build_mesh, clip_grad_norm_, materialize, parallelize, random_init_source
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -112,9 +110,7 @@ def warm_up(device: torch.device) -> None:
             mesh = build_mesh(ParallelDims(world_size=1), device.type)
             with torch.device("meta"):
                 model = Transformer(config)
-            if config.is_moe:
-                apply_ep(model, mesh)
-            apply_fsdp(model, mesh, precision="fp32")
+            parallelize(model, mesh, precision="fp32")
             materialize(model, device, random_init_source(model, 0))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             tokens = torch.randint(0, 64, (1, 16), device=device)

@@ -1,9 +1,10 @@
 """One rank's training state as one self-describing block of host memory: what a peer restores from.
 
-`ShardState.capture(trainer)` copies this rank's shard of every parameter and optimizer-state tensor into
-one flat byte buffer (host memory) with a table of contents — key, dtype, shape, offset, and a CRC32 per
-tensor — plus the step, samples consumed, LR-scheduler counters and RNG state. `apply(trainer)` writes it
-into a trainer built on the same shard layout. `exchange()` moves states between ranks over a process
+`ShardState.capture(trainer)` copies the trainer's `TrainState` (`phalanx.train.state`, the one definition of
+what training state is; checkpoints save the same) into host memory: this rank's shard of every parameter and
+optimizer-state tensor in one flat byte buffer with a table of contents — key, dtype, shape, offset, and a
+CRC32 per tensor — plus the step, samples consumed, LR-scheduler counters and RNG state. `apply(trainer)`
+writes it into a trainer built on the same shard layout. `exchange()` moves states between ranks over a process
 group (point-to-point, every transfer of a round posted at once), and the receiver verifies every
 tensor's checksum before anything is used.
 
@@ -13,7 +14,8 @@ model (replicas along "dp_replicate" hold the same shard, so it is left out); `s
 generation with a different number of replicas can still be served, and a resharded one cannot be
 served wrongly.
 
-Knows nothing about the controller, generations or the training loop.
+Knows nothing about the controller, generations or the training loop; of the trainer only its `state` and
+`mesh`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch < 2.5 layout
-    from torch.distributed._tensor import DTensor
 
 REPLICA_DIM = "dp_replicate"
 _ALIGN = 64  # bytes: every tensor starts aligned, so a slice of the buffer can be viewed as its dtype
@@ -56,10 +53,6 @@ def shard_layout(mesh) -> tuple[tuple, tuple]:
                 coord.append((n, m.get_local_rank(i)))
                 signature.append((n, m.size(i)))
     return tuple(coord), tuple(signature)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -94,16 +87,10 @@ class ShardState:
     # ---- capture and apply ------------------------------------------------------------------------
     @classmethod
     def capture(cls, trainer) -> "ShardState":
-        """Copy `trainer`'s local state (valid at any step boundary, and after a fault mid-step: the sharded
-        tensors are only written by the optimizer step, which completes or never starts)."""
-        from phalanx.train.checkpoint import rng_state
-
-        tensors = []
-        for name, p in trainer.sharded_params.items():
-            tensors.append((f"param/{name}", _local(p).detach()))
-            for key, value in sorted(trainer.optimizer.state.get(p, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    tensors.append((f"optim/{name}/{key}", _local(value).detach()))
+        """Copy `trainer`'s local state (valid at any step boundary, and after a fault mid-step: see
+        `TrainState.local_tensors`)."""
+        state = trainer.state
+        tensors = state.local_tensors()
         entries, offset = [], 0
         for key, t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -112,52 +99,25 @@ class ShardState:
         data = torch.empty(offset, dtype=torch.uint8)
         for e, (_, t) in zip(entries, tensors):
             _view(data, e).copy_(t)  # device → host where the model lives on a GPU
-        sched = trainer.scheduler.state_dict()
-        sched.pop("lr_lambdas", None)
         coord, signature = shard_layout(trainer.mesh)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
-        return cls(coord, signature, trainer.progress.step, trainer.progress.samples_consumed,
-                   {"scheduler": sched, "param_groups": groups, "rng": rng_state()}, entries, data)
+        return cls(coord, signature, state.progress.step, state.progress.samples_consumed, state.counters(),
+                   entries, data)
 
     def apply(self, trainer) -> None:
         """Write this state into `trainer` (built on the same layout). Checks fit before writing anything."""
-        from phalanx.train.checkpoint import set_rng_state
-        from phalanx.train.trainer import Progress
-
         coord, signature = shard_layout(trainer.mesh)
         if (coord, signature) != (self.coord, self.signature):
             raise IntegrityError(f"state of shard {self.coord} in layout {self.signature} does not fit shard "
                                  f"{coord} in layout {signature}")
+        state = trainer.state
         by_key = {e.key: e for e in self.entries}
-        params = trainer.sharded_params
-        for name, p in params.items():
-            e = by_key.get(f"param/{name}")
-            if e is None or e.shape != tuple(_local(p).shape) or e.dtype != str(p.dtype):
-                raise IntegrityError(f"state has no matching entry for parameter {name} "
+        for key, (dtype, shape) in state.local_param_layout().items():
+            e = by_key.get(key)
+            if e is None or e.shape != shape or e.dtype != dtype:
+                raise IntegrityError(f"state has no matching entry for parameter {key.removeprefix('param/')} "
                                      f"({'missing' if e is None else f'{e.dtype} {e.shape}'})")
-        with torch.no_grad():
-            for name, p in params.items():
-                _local(p).copy_(_view(self.data, by_key[f"param/{name}"]))
-            trainer.optimizer.state.clear()
-            for name, p in params.items():
-                state = {}
-                for e in self.entries:
-                    prefix = f"optim/{name}/"
-                    if not e.key.startswith(prefix):
-                        continue
-                    value = _view(self.data, e).clone().to(_local(p).device if e.shape else "cpu")
-                    if isinstance(p, DTensor) and e.shape == tuple(_local(p).shape):
-                        value = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape,
-                                                   stride=p.stride(), run_check=False)
-                    state[e.key[len(prefix):]] = value
-                if state:
-                    trainer.optimizer.state[p] = state
-        for group, saved in zip(trainer.optimizer.param_groups, self.extra["param_groups"], strict=True):
-            group.update(saved)  # the scheduled lr lives here
-        trainer.progress = Progress(step=self.step, samples_consumed=self.samples_consumed)
-        lambdas = [None] * len(trainer.scheduler.lr_lambdas)
-        trainer.scheduler.load_state_dict({**self.extra["scheduler"], "lr_lambdas": lambdas})
-        set_rng_state(self.extra["rng"])
+        state.load_local({e.key: _view(self.data, e) for e in self.entries}, self.extra, self.step,
+                         self.samples_consumed)
 
     # ---- integrity --------------------------------------------------------------------------------
     def seal(self) -> "ShardState":

@@ -9,38 +9,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful
 
 from phalanx.data import GlobalBatchSampler, TokenDataset
 from phalanx.models import ModelConfig, Transformer, get_preset
 from phalanx.models.moe import MoEFeedForward
 from phalanx.parallel import (
     ParallelDims,
-    apply_activation_checkpointing,
-    apply_ep,
-    apply_fsdp,
-    apply_tp,
     build_mesh,
     clip_grad_norm_,
     dp_rank,
     materialize,
+    parallelize,
     random_init_source,
 )
-from phalanx.train.checkpoint import CheckpointManager, rng_state, set_rng_state, step_dir
+from phalanx.train.checkpoint import CheckpointManager, step_dir
 from phalanx.train.config import ConfigError, TrainConfig
 from phalanx.train.metrics import MetricsWriter
 from phalanx.train.optim import build_optimizer, build_scheduler
+from phalanx.train.state import Progress, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -79,31 +68,6 @@ def check_data_fits_model(dataset: TokenDataset, model_config: ModelConfig) -> N
             f"data block_size {dataset.meta.block_size} exceeds the model's max_seq_len "
             f"{model_config.max_seq_len}; re-prepare the data with a smaller --block-size"
         )
-
-
-class ModelOptimState(Stateful):
-    """Model + optimizer as one DCP item (sharded, reshardable)."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self):
-        return {
-            "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer),
-        }
-
-    def load_state_dict(self, state):
-        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=True))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-
-
-@dataclass
-class Progress:
-    """Where the run is: the optimizer steps taken and the samples consumed (one integer each)."""
-
-    step: int = 0
-    samples_consumed: int = 0
 
 
 class Trainer:
@@ -164,19 +128,9 @@ class Trainer:
     def _build_model(self) -> Transformer:
         with torch.device("meta"):
             model = Transformer(self.model_config)
-        if self.mesh.tp is not None:
-            apply_tp(model, self.mesh.tp)
-        if self.model_config.is_moe:  # global token counts for the aux loss; experts over ep ranks if ep > 1
-            apply_ep(model, self.mesh)
         ac = self.config.activation_checkpointing
-        apply_activation_checkpointing(model, ac.mode, ac.every)
-        apply_fsdp(
-            model,
-            self.mesh,
-            precision=self.config.precision,
-            reshard_after_forward=self.config.reshard_after_forward,
-        )
-        return model
+        return parallelize(model, self.mesh, precision=self.config.precision,
+                           reshard_after_forward=self.config.reshard_after_forward, ac_mode=ac.mode, ac_every=ac.every)
 
     def initialize_weights(self) -> None:
         """Fill this rank's shards: from the Hugging Face checkpoint in `model.hf_path`, else the seeded init."""
@@ -194,26 +148,17 @@ class Trainer:
         return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.sharded_params.values())
 
     # ---- checkpoint state -----------------------------------------------------------------------
-    def _state(self) -> dict:
-        lr_state = self.scheduler.state_dict()
-        lr_state.pop("lr_lambdas", None)
-        return {
-            "model_optim": ModelOptimState(self.model, self.optimizer),
-            "train": {
-                "step": self.progress.step,
-                "samples_consumed": self.progress.samples_consumed,
-                "world_size": self.world_size,
-                "lr_scheduler": lr_state,
-            },
-            f"rng/rank{self.rank}": rng_state(),
-        }
+    @property
+    def state(self) -> TrainState:
+        """This rank's training state (a view over the live objects): what checkpoints and peers restore."""
+        return TrainState(self.model, self.optimizer, self.scheduler, self.progress, self.sharded_params)
 
     def save_checkpoint(self) -> None:
         """Synchronous: `checkpoint_saved` once committed. Async: `checkpoint_started` when training may go on
         (`seconds`: the time it blocked), `checkpoint_saved` when the save commits (at the next save or at the
         end)."""
         start = time.perf_counter()
-        self.checkpoints.save(self.progress.step, self._state())
+        self.checkpoints.save(self.progress.step, self.state.checkpoint_items(self.rank, self.world_size))
         if self.config.checkpoint.async_save:
             self.metrics.event("checkpoint_started", step=self.progress.step,
                                seconds=round(time.perf_counter() - start, 3), dir=str(self.config.checkpoint_dir))
@@ -235,21 +180,8 @@ class Trainer:
             return False
         self.check_checkpoint_model(step)
         start = time.perf_counter()
-        state = self._state()
-        # World size first: per-rank RNG streams exist only for the ranks the saving run had.
-        probe = {"train": dict(state["train"])}
-        self.checkpoints.load(step, probe)
-        saved_world = probe["train"]["world_size"]
-        if saved_world != self.world_size:
-            state.pop(f"rng/rank{self.rank}")
-        self.checkpoints.load(step, state)
-        train = state["train"]
-        self.progress = Progress(step=train["step"], samples_consumed=train["samples_consumed"])
-        # The schedule's lambdas are code, not state: keep ours, restore the counters.
-        lambdas = [None] * len(self.scheduler.lr_lambdas)
-        self.scheduler.load_state_dict({**train["lr_scheduler"], "lr_lambdas": lambdas})
-        if f"rng/rank{self.rank}" in state:
-            set_rng_state(state[f"rng/rank{self.rank}"])
+        saved_world = self.state.load_checkpoint(lambda items: self.checkpoints.load(step, items),
+                                                 self.rank, self.world_size)
         self.resumed_from = {"step": self.progress.step, "samples_consumed": self.progress.samples_consumed,
                              "from_world_size": saved_world, "world_size": self.world_size,
                              "seconds": round(time.perf_counter() - start, 3)}
