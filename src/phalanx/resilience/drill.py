@@ -79,6 +79,16 @@ def _grad_hook(out, fire) -> None:
         tensor.register_hook(lambda grad: fire())
 
 
+class _BeforeSave:
+    """A trainer callback (`phalanx.train.callbacks`; duck-typed, so that this module imports no training code)."""
+
+    def __init__(self, fire):
+        self.fire = fire
+
+    def before_save(self, trainer, step: int) -> None:
+        self.fire()
+
+
 class Drill:
     def __init__(self, spec, rank: int, generation: int, env: Mapping[str, str] | None = None):
         """`spec`: the config's `resilience.drill`; when None, `PHALANX_DRILL` from `env` (os.environ)."""
@@ -90,7 +100,9 @@ class Drill:
         self.armed = spec is not None and generation == 1 and rank == spec.rank
 
     def install(self, trainer) -> None:
-        """Hook the step moments into this generation's trainer (a fresh one per generation)."""
+        """Hook the step moments into this generation's trainer (a fresh one per generation): torch's own hooks
+        inside forward, backward and the optimizer step (a drill must land *inside* them, between collectives),
+        the trainer's `before_save` callback for a checkpoint."""
         if not self.armed or self.spec.at == "regroup":
             return
         at, step = self.spec.at, self.spec.step
@@ -116,13 +128,7 @@ class Drill:
         elif at == "optimizer":
             trainer.optimizer.register_step_post_hook(fire)
         elif at == "checkpoint":
-            save = trainer.save_checkpoint
-
-            def save_or_die() -> None:
-                fire()
-                save()
-
-            trainer.save_checkpoint = save_or_die
+            trainer.callbacks.add(_BeforeSave(fire))
 
     def at_regroup(self) -> None:
         """Called by a survivor once it has joined a later generation's process group."""

@@ -25,6 +25,7 @@ from phalanx.parallel import (
     parallelize,
     random_init_source,
 )
+from phalanx.train.callbacks import Callbacks
 from phalanx.train.checkpoint import CheckpointManager, step_dir
 from phalanx.train.config import ConfigError, TrainConfig
 from phalanx.train.metrics import MetricsWriter
@@ -114,6 +115,7 @@ class Trainer:
         self.resumed_from: dict | None = None  # what `maybe_resume` loaded (step, world sizes, seconds)
         self.last_record: dict | None = None  # the newest step's record (every rank has it: the loss is reduced)
         self._saved_step: int | None = None
+        self.callbacks = Callbacks()  # what others run at points of the loop (progress reports, drills)
         self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps)
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir,
@@ -157,6 +159,7 @@ class Trainer:
         """Synchronous: `checkpoint_saved` once committed. Async: `checkpoint_started` when training may go on
         (`seconds`: the time it blocked), `checkpoint_saved` when the save commits (at the next save or at the
         end)."""
+        self.callbacks.before_save(self, self.progress.step)
         start = time.perf_counter()
         self.checkpoints.save(self.progress.step, self.state.checkpoint_items(self.rank, self.world_size))
         if self.config.checkpoint.async_save:
@@ -288,7 +291,9 @@ class Trainer:
     def advance(self) -> dict:
         """One step, logged, and checkpointed every `checkpoint.interval` steps and at the last one."""
         cfg = self.config
+        self.callbacks.on_step_start(self, self.progress.step)
         record = self.last_record = self.train_step()
+        self.callbacks.on_step_end(self, record)
         step, interval, max_steps = record["step"], cfg.checkpoint.interval, cfg.training.max_steps
         self.metrics.step(record, print_line=step % cfg.training.log_interval == 0 or step == max_steps)
         if (interval and step % interval == 0) or step == max_steps:

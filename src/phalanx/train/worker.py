@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from phalanx import protocol
 from phalanx.process import exit_without_teardown
+from phalanx.train.callbacks import Callback
 from phalanx.train.config import ConfigError, TrainConfig, config_from_dict, load_config
 
 log = logging.getLogger("phalanx.worker")
@@ -99,24 +100,29 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
+class ReportProgress(Callback):
+    """Publish the step before each step (before the first: where this run starts, after a resume) and each
+    finished step (`ProgressReporter.report`: the store write happens on a background thread)."""
+
+    def __init__(self, reporter):
+        self.reporter = reporter
+
+    def on_step_start(self, trainer, step: int) -> None:
+        self.reporter.report(step)
+
+    def on_step_end(self, trainer, record: dict) -> None:
+        self.reporter.report(record["step"])
+
+
 def report_progress(trainer):
     """Under a Phalanx node agent, publish each finished step to the seam's progress key (the agent's hang
-    detector reads it) and return the reporter; None otherwise. One store write per step, done on a background
-    thread."""
+    detector reads it) and return the reporter; None otherwise."""
     from phalanx.protocol import progress_reporter
 
     reporter = progress_reporter()
     if reporter is None:
         return None
-    train_step = trainer.train_step
-
-    def train_step_reporting_progress() -> dict:
-        reporter.report(trainer.progress.step)  # before the first step: where this run starts (after resume)
-        record = train_step()
-        reporter.report(record["step"])
-        return record
-
-    trainer.train_step = train_step_reporting_progress
+    trainer.callbacks.add(ReportProgress(reporter))
     return reporter
 
 
