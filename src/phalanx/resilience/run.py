@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from phalanx import protocol
 from phalanx.resilience.drill import Drill
+from phalanx.resilience.faults import is_peer_fault
 from phalanx.resilience.membership import Membership, NotInGeneration, RankTaken, Superseded
 from phalanx.resilience.plan import LIVE, Copy, Holding, choose_plan
 from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
@@ -49,26 +50,6 @@ from phalanx.resilience.state import IntegrityError, ShardState, exchange, shard
 log = logging.getLogger("phalanx.checkpointless")
 EXIT_NO_GENERATION = 3
 SWITCH_WAIT_S = 2.0  # at most this long for the progress keys of a new generation to be in the store
-_PEER_FAULT_WORDS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "timed out",
-                     "Timed out", "Socket", "socket", "ProcessGroup", "peer")
-
-
-def is_peer_fault(err: BaseException) -> bool:
-    """A failure that recovery handles: a collective or store operation failed (a peer died or hung), the
-    generation was superseded, or a transfer failed its checksum."""
-    if isinstance(err, (Superseded, IntegrityError, TimeoutError)):
-        return True
-    kinds = tuple(getattr(dist, n) for n in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
-                  if hasattr(dist, n))
-    if kinds and isinstance(err, kinds):
-        return True
-    try:  # DCP wraps each rank's failure (a checkpoint save or load interrupted by a peer's death)
-        from torch.distributed.checkpoint.api import CheckpointException
-        if isinstance(err, CheckpointException):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return isinstance(err, RuntimeError) and any(w in str(err) for w in _PEER_FAULT_WORDS)
 
 
 def release_process_groups(marks: dict | None = None) -> None:
@@ -217,7 +198,7 @@ class CheckpointlessRun:
             except RankTaken as err:
                 log.error("%s; next: exit with code %d", err, EXIT_NO_GENERATION)
                 return EXIT_NO_GENERATION
-            except Exception as err:  # noqa: BLE001 - classified right here
+            except Exception as err:  # noqa: BLE001 - classified right here (resilience.faults)
                 if not is_peer_fault(err):
                     raise
                 newer = err.newer if isinstance(err, Superseded) else None

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from phalanx.resilience.faults import PeerFault, is_peer_fault
 from phalanx.resilience.plan import Copy
 from phalanx.resilience.state import ShardState, exchange
 
@@ -106,8 +107,9 @@ class BuddySnapshots:
         if not self.enabled or (step % self.interval and not force):
             return
         self.wait()
-        if self.error is not None:
-            raise RuntimeError(f"buddy snapshot exchange failed: {self.error}") from self.error
+        if self.error is not None:  # a peer's fault found off this thread is raised here as one
+            kind = PeerFault if is_peer_fault(self.error) else RuntimeError
+            raise kind(f"buddy snapshot exchange failed: {self.error}") from self.error
         epoch = self.shelf.epoch
         state = ShardState.capture(self.trainer)
         self.shelf.add_own(epoch, state)
