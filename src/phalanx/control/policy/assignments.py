@@ -10,7 +10,6 @@ scheduler decides; this only tells), how an agent starts a process.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from phalanx import protocol
@@ -61,7 +60,7 @@ class Assignments:
         """(sent_at, the workers `node` must run, the warm standbys it should keep). sent_at is taken first,
         under the lock: an agent that echoes it back has seen every stop decided before it."""
         with self.lock:
-            sent_at = time.time()
+            sent_at = self.clock()
             if node.state != S.HEALTHY:
                 return sent_at, [], 0
             out = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Callable
 
 from phalanx import protocol
 from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
@@ -39,8 +40,10 @@ MAX_FAILED_REGROUPS = 3  # in-place recoveries in a row that never restored: the
 
 
 class InPlaceRecovery:
-    def __init__(self, store: Store, records: JobRecords, spec, rendezvous=None):
+    def __init__(self, store: Store, records: JobRecords, spec, rendezvous=None,
+                 clock: Callable[[], float] = time.time):
         self.store, self.records, self.spec = store, records, spec
+        self.clock = clock  # the scheduler's clock
         self.rendezvous = rendezvous  # the controller's TCPStore
         self._left_seen: dict[tuple[str, int], float] = {}  # (job, generation) → when ranks were seen leaving it
 
@@ -133,7 +136,7 @@ class InPlaceRecovery:
             failed, g = failed + 1, prev
         if failed < MAX_FAILED_REGROUPS:
             return None
-        return {"kind": "regroup-failed", "node": None, "rank": None, "time": time.time(),
+        return {"kind": "regroup-failed", "node": None, "rank": None, "time": self.clock(),
                 "detail": f"{failed} in-place recoveries in a row failed before restoring any state (generations "
                           f"{gen.generation - failed + 1}-{gen.generation})"}
 
@@ -141,7 +144,7 @@ class InPlaceRecovery:
         """End the generation now without stopping its survivors; the failed ranks' nodes are replaced (or,
         for a killed process on a healthy node, the node keeps its place) and the scheduler's `advance`
         starts the next generation, which the survivors join from their own processes."""
-        now = time.time()
+        now = self.clock()
         node_fault = any(f["kind"] in NODE_FAULTS for f in faults)
         first = faults[0]["detail"]
         bad = sorted({f["node"] for f in faults if f["kind"] in NODE_FAULTS})

@@ -39,8 +39,9 @@ MAX_PROVISION_FAILURES = 3
 
 class Reconciler:
     def __init__(self, store: Store, backend, *, started_at: float, request_exit: Callable[[str], None],
-                 jobs=None, deep_checks=None):
+                 jobs=None, deep_checks=None, clock: Callable[[], float] = time.time):
         self.store = store
+        self.clock = clock  # the time policy decides by (tests drive a fake one)
         self.backend = backend
         self.jobs = jobs  # the JobScheduler, or None (no jobs)
         self.deep = deep_checks  # the DeepCheckCoordinator (used when the spec asks for the deep check)
@@ -53,7 +54,7 @@ class Reconciler:
         status = ClusterStatus(self.store.cluster()["status"])
         if status not in (ClusterStatus.CREATING, ClusterStatus.IN_SERVICE, ClusterStatus.DEGRADED):
             return
-        now = time.time()
+        now = self.clock()
         for node in self.store.nodes(include_terminated=False):
             if node.state not in (S.FAULTY, S.REPLACING):  # already judged; recover/retire take them on
                 self.observe(node, now)

@@ -57,8 +57,10 @@ class JobScheduler(Admission, Assignments):
 
     def __init__(self, store: Store, backend, *, jobs_root: Path,
                  read_progress: Callable[[str, int, list[int]], dict[int, dict]] | None,
-                 store_addr: Callable[[], str | None], controller_id: float, rendezvous=None):
+                 store_addr: Callable[[], str | None], controller_id: float, rendezvous=None,
+                 clock: Callable[[], float] = time.time):
         self.store = store
+        self.clock = clock  # the time policy decides by (tests drive a fake one)
         self.backend = backend
         self.spec = store.spec()
         self.records = JobRecords(store)
@@ -70,7 +72,7 @@ class JobScheduler(Admission, Assignments):
         self.token = ""  # the cluster token: workers' env; signs standby assignments (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
-        self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous)  # checkpointless jobs
+        self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous, clock)  # checkpointless jobs
 
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str], None]) -> None:
@@ -108,7 +110,7 @@ class JobScheduler(Admission, Assignments):
                 return self.inplace.recover(job, gen, faults)
             faults = self._record_faults(job, gen, [looping], mark_faulty)
         # stop_at: taken now, under the lock — a reply with a later sent_at no longer carries this generation
-        self.records.update_generation(job.id, gen.generation, stop_at=time.time())
+        self.records.update_generation(job.id, gen.generation, stop_at=self.clock())
         first = faults[0]["detail"]
         self.records.transition(job.id, J.RECOVERING, f"generation {gen.generation} stopping: {first}")
         log.warning("job %s generation %d: %s; next: stop its other workers, then restart or fail the job by the "
@@ -120,7 +122,7 @@ class JobScheduler(Admission, Assignments):
             node = self.store.node(name)
             if node is None or node.state != S.HEALTHY:
                 why = (node.reason or "").splitlines()[0] if node else "unknown node"
-                found.append({"kind": "node", "node": name, "rank": None, "time": time.time(),
+                found.append({"kind": "node", "node": name, "rank": None, "time": self.clock(),
                               "detail": f"node {name} {node.state.value if node else 'gone'}: {why}"})
             elif failed := restart_job_failures(node.health, since=gen.started_at):
                 what = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
@@ -169,7 +171,7 @@ class JobScheduler(Admission, Assignments):
     def _stop_generation(self, job: Job, reason: str) -> None:
         gen = self.records.generation(job.id, job.generation) if job.generation else None
         if gen is not None and gen.stop_at is None:
-            self.records.update_generation(job.id, gen.generation, stop_at=time.time(), end_reason=reason)
+            self.records.update_generation(job.id, gen.generation, stop_at=self.clock(), end_reason=reason)
 
     def _finish_stopping(self, gen: Generation, now: float, mark_faulty) -> None:
         job = self.records.job(gen.job)

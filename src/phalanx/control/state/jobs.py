@@ -22,7 +22,6 @@ reason. Knows nothing about processes, HTTP or the scheduler's policy.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
@@ -188,7 +187,7 @@ class JobRecords:
     def add_job(self, *, name: str | None, kind: str, group: str, nodes: int, workers_per_node: int, argv: list,
                 cwd: str, env: dict, config: dict | None, jobs_root: str, checkpoint_dir: str | None,
                 auto_resume: bool, max_retries: int, recovery: str = "restart") -> Job:
-        now = time.time()
+        now = self.store.clock()
         with self.store.transaction() as db:
             (seq,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()
             job_id = str(seq)
@@ -239,14 +238,14 @@ class JobRecords:
 
     def update_job(self, job_id: str, **values) -> None:
         assert "state" not in values, "use transition() to change a job's state"
-        values["updated_at"] = time.time()
+        values["updated_at"] = self.store.clock()
         enc = _enc(values)
         self.store.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in enc)} WHERE id=?",
                            (*enc.values(), job_id))
 
     def transition(self, job_id: str, to: JobState, reason: str, **values) -> Job:
         """Move a job to `to` with an event; refuses moves the state machine forbids."""
-        now = time.time()
+        now = self.store.clock()
         with self.store.transaction() as db:
             row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
@@ -269,7 +268,7 @@ class JobRecords:
         self.store.execute(
             "INSERT INTO generations (job, generation, nodes_json, master_addr, master_port, store_addr, started_at)"
             " VALUES (?,?,?,?,?,?,?)",
-            (job_id, generation, json.dumps(nodes), master_addr, master_port, store_addr, time.time()),
+            (job_id, generation, json.dumps(nodes), master_addr, master_port, store_addr, self.store.clock()),
         )
         return self.generation(job_id, generation)
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from phalanx.control.spec import ClusterSpec
 from phalanx.observability.events import EventKind, event_kind
@@ -178,8 +178,9 @@ def _loads(text: str | None):
 class Store:
     """All reads and writes of a cluster's state.db."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, clock: Callable[[], float] = time.time):
         self.path = Path(path)
+        self.clock = clock  # the time it stamps rows and events with (tests drive a fake one)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
         self._db.row_factory = sqlite3.Row
@@ -215,7 +216,7 @@ class Store:
     # ---- cluster and groups -------------------------------------------------------------------
     def initialize(self, spec: ClusterSpec) -> None:
         """Create the schema and the cluster's rows (status `creating`). Run once, at `cluster create`."""
-        now = time.time()
+        now = self.clock()
         with self._lock:
             self._db.executescript(SCHEMA)
             self._db.execute("BEGIN IMMEDIATE")
@@ -283,7 +284,7 @@ class Store:
     # ---- nodes --------------------------------------------------------------------------------
     def add_node(self, group: str, *, is_spare: bool, work_root: Path, reason: str) -> Node:
         """A new node in state provisioning, named `<group>-<n>` (names are never reused)."""
-        now = time.time()
+        now = self.clock()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             (index,) = self._db.execute("SELECT next_index FROM groups WHERE name=?", (group,)).fetchone()
@@ -334,7 +335,7 @@ class Store:
 
     def transition(self, name: str, to: NodeState, reason: str, **fields) -> Node:
         """Move a node to `to`, recording an event with `reason`. Refuses moves the state machine forbids."""
-        now = time.time()
+        now = self.clock()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -368,7 +369,7 @@ class Store:
     def record_event(self, kind: EventKind | str, reason: str, *, node: str | None = None, job: str | None = None,
                      from_state: str | None = None, to_state: str | None = None) -> None:
         with self._lock:
-            self._insert_event(time.time(), kind, reason, node=node, job=job, from_state=from_state,
+            self._insert_event(self.clock(), kind, reason, node=node, job=job, from_state=from_state,
                                to_state=to_state)
 
     def events(self, *, since_id: int = 0, node: str | None = None, job: str | None = None,

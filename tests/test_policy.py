@@ -1,0 +1,704 @@
+"""The controller's policy — node bring-up, faults, replacement from the spare pool, refill, and the job fault
+policy (restart, resume or fail; in place for checkpointless jobs) — decided over a real SQLite store with a
+fake backend, fake agents and a fake clock (tests/fakes.py): no processes, no sockets, no sleeps; each test
+takes milliseconds. The real-process tests stay: they prove that the agents, the workers and the API deliver
+what these fakes stand for.
+
+Every fault kind the real-process tests inject, what the policy decides here, and the real test (file::test)
+that covers it with processes:
+
+  cluster creation: every node provisioning → configuring → health-checking → healthy; cluster in service
+      test_control::test_create_lists_healthy_nodes_and_refuses_unauthenticated_requests
+  lifecycle script fails during creation → creation fails, the controller asked to stop everything
+      test_control::test_failed_lifecycle_script_is_reported_with_its_output_and_nothing_runs
+  agent never registers (provision_timeout_s), during creation and on a refill → faulty, replaced
+      (no real-process test)
+  lifecycle script fails / the agent cannot be launched, on a refill → faulty, replaced; 3 in a row → stop
+      (no real-process test)
+  kill-node (backend: agent gone) → faulty, replaced by the spare, pool refilled
+      test_control::test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled[kill-node]
+  freeze-node (heartbeat lost past heartbeat_timeout_s) → the same
+      test_control::test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled[freeze-node]
+  fail-health (health check failed) → the same
+      test_control::test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled[fail-health]
+  gpu-xid 79 (a replace-node health failure) → the same
+      test_control::test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled[gpu-xid]
+  a faulty spare → retired, the pool refilled
+      test_control (the refilled pool after each replacement)
+  an agent that ignores SIGTERM → SIGKILL after TERMINATE_GRACE_S
+      (no real-process test)
+  controller restart: heartbeat silence counted from the new controller's start
+      test_control::test_controller_sigkill_and_restart_leave_agents_untouched
+  node_recovery=none → left faulty; a group without spares → a freshly provisioned node
+      test_control::test_recovery_none_leaves_the_faulty_node_and_no_spares_means_a_fresh_node
+  deep health check: one round at creation, a refill paired with a healthy peer, a slow link fails
+      test_control::test_deep_health_check_pairs_new_nodes_with_a_healthy_peer_and_fails_slow_links
+  refused submits; a job whose ranks all exit 0 succeeds
+      test_jobs::test_refused_submits_start_nothing_and_a_torch_distributed_command_runs
+  app error (exit N on healthy nodes) → retried on the same nodes up to max_retries, then failed
+      test_jobs::test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_resume
+  kill-worker on a restart job → an app error, retried on the same nodes; cancel
+      test_jobs::test_app_errors_retry_... (its kill-worker and cancel parts)
+  gpu-xid 13 (restart-job) → restarted on the same nodes, no retry used; without auto-resume, failed
+      test_jobs::test_app_errors_retry_... (its gpu-xid part)
+  node fault (each kind above) + auto-resume → stopped, then the survivor + the promoted spare
+      test_jobs::test_killed_node_is_replaced_by_the_spare_and_training_resumes_from_the_checkpoint
+  node fault without auto-resume → the job fails, the node is still replaced
+      test_jobs::test_app_errors_retry_... (its last part)
+  node fault, no free spare → the job waits for a freshly provisioned node
+      test_jobs::test_without_a_free_spare_the_job_waits_for_a_fresh_node
+  hang-worker, frozen (no progress, no beat) → a node fault: only the frozen rank's node is replaced
+      test_jobs::test_hung_worker_is_detected_killed_and_the_job_recovers
+  stalled hang (beat alive, no progress) → an app error
+      test_jobs::test_hang_rule_kills_a_frozen_worker_first_and_a_stalled_one_only_later (the agent's verdict)
+  controller restart under a running job → left running, progress tracked again
+      test_jobs::test_controller_sigkill_and_restart_leave_the_job_running
+  checkpointless node fault → in place: survivors held and carried, a warm standby takes the rank
+      test_checkpointless::test_killed_node_recovers_from_peers_memory_with_the_same_loss_at_every_step,
+      test_checkpointless::test_a_node_judged_faulty_while_its_worker_lives_is_replaced_without_waiting_out_...
+  checkpointless worker killed → a process fault, in place on the same nodes
+      test_checkpointless::test_a_worker_dying_at_any_moment_of_a_step_continues_exactly
+  checkpointless second node lost while regrouping → in place again
+      test_checkpointless::test_a_second_fault_while_regrouping_ends_in_a_correct_continuation,
+      test_checkpointless::test_a_second_node_lost_during_recovery_ends_in_a_recovered_job
+  checkpointless collective broken, nobody dead → stranded after the grace: every process regroups
+      test_checkpointless::test_a_collective_broken_by_the_network_regroups_every_process_in_place
+  checkpointless node frozen as training ends → the finished job succeeds
+      test_checkpointless::test_a_node_frozen_as_training_ends_does_not_keep_the_finished_job_running
+  checkpointless app error (exit N) → not in place: stopped, then retried or failed
+      (no real-process test)
+  in-place recoveries that never restore → a restart with fresh processes (regroup-failed)
+      test_regroup::test_repeated_failed_regroups_end_in_a_restart_not_a_loop (the rule alone)
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from fakes import FakeBackend, FakeCluster
+from phalanx import protocol
+from phalanx.control.backends.base import Backend
+from phalanx.control.policy.admission import JobRequestError
+from phalanx.control.policy.inplace import MAX_FAILED_REGROUPS
+from phalanx.control.policy.reconciler import MAX_PROVISION_FAILURES, TERMINATE_GRACE_S
+from phalanx.control.state.jobs import JobState
+
+J = JobState
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def make(**kw) -> FakeCluster:
+        c = FakeCluster(tmp_path / f"cluster{len(made)}", **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def faulty_reason(c: FakeCluster, name: str) -> str:
+    (event,) = [e for e in c.events(node=name) if e["to_state"] == "faulty"]
+    return event["reason"]
+
+
+def state(c: FakeCluster, name: str) -> str | None:
+    node = c.node(name)
+    return node.state.value if node else None
+
+
+def recovery(c: FakeCluster, job: str) -> str:
+    """What the controller said it does about the job's newest fault."""
+    return [e for e in c.events(job=job) if e["kind"] == "recovery"][-1]["reason"]
+
+
+def job_states(c: FakeCluster, job: str) -> list[str]:
+    return [e["to_state"] for e in c.events(job=job) if e["kind"] == "job"]
+
+
+def running(c: FakeCluster, job: str, generation: int, ranks: int = 2):
+    """Wait until the generation's ranks run and their agents reported them."""
+    def ready():
+        ws = c.workers(job, generation)
+        rows = [w for w in c.jobs.records.workers(job=job, generation=generation) if w.state == "running"]
+        return ws if len(ws) == ranks and len(rows) == ranks else None
+    return c.run_until(ready, f"generation {generation} of job {job} running")
+
+
+NODE_FAULTS = [  # (inject, what the node's faulty reason says)
+    (("kill-node", {}), "killed by SIGKILL"),
+    (("freeze-node", {}), "no heartbeat for"),
+    (("fail-health", {}), "health check failed: injected"),
+    (("gpu-xid", {"xid": 79}), "gpu.xid: XID [79] (injected): hardware fault"),
+]
+NODE_FAULT_IDS = ["kill-node", "freeze-node", "fail-health", "gpu-xid-79"]
+
+
+# ---- the fakes themselves ----------------------------------------------------------------------------------------
+def test_the_fake_backend_implements_every_method_of_backend(tmp_path):
+    methods = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
+    assert len(methods) >= 13 and isinstance(FakeBackend(tmp_path), Backend)
+    assert [m for m in methods if not callable(getattr(FakeBackend, m, None))] == []
+
+
+# ---- cluster creation ---------------------------------------------------------------------------------------------
+def test_creation_brings_count_plus_spares_nodes_to_healthy_and_the_cluster_in_service(make):
+    c = make(count=2, spares=1)
+    c.step()
+    assert c.backend.launched() == ["workers-0", "workers-1", "workers-2"]
+    assert c.status() == "creating"
+    c.create()
+    assert c.states() == {"workers-0": "healthy", "workers-1": "healthy", "workers-2": "healthy"}
+    assert [n.is_spare for n in c.store.nodes()] == [False, False, True]
+    for name in c.states():
+        assert c.transitions(name) == ["provisioning", "configuring", "health-checking", "healthy"], name
+    assert "initial spare 1/1" in c.events(node="workers-2")[0]["reason"]
+    checking = next(e for e in c.events(node="workers-0") if e["to_state"] == "health-checking")
+    assert "lifecycle script on_create.sh succeeded" in checking["reason"]
+    c.steps(5)
+    assert c.backend.launched() == ["workers-0", "workers-1", "workers-2"], "nothing more to provision"
+    status = [e for e in c.events() if e["kind"] == "cluster" and e["to_state"] == "in-service"]
+    assert len(status) == 1 and "all 3 nodes healthy" in status[0]["reason"]
+
+
+def test_a_lifecycle_script_failing_during_creation_fails_the_cluster_and_asks_to_stop_everything(make):
+    c = make(count=2, spares=0)
+    c.plan("workers-1", lifecycle_code=3, lifecycle_tail="mounting /fsx\nfatal: /fsx unreachable")
+    c.run_until(lambda: c.status() == "failed", "creation to fail")
+    reason = faulty_reason(c, "workers-1")
+    assert "exited with code 3" in reason and "fatal: /fsx unreachable" in reason, reason
+    (why,) = c.exit_requests
+    assert why.startswith("node workers-1 failed during creation") and "exited with code 3" in why, why
+    c.steps(3)
+    assert c.backend.launched() == ["workers-0", "workers-1"], "creation replaces nothing"
+    assert c.states()["workers-1"] == "faulty" and c.status() == "failed" and len(c.exit_requests) == 1
+
+
+def test_a_member_that_never_registers_fails_creation_after_provision_timeout_s(make):
+    c = make(count=2, spares=0, health={"provision_timeout_s": 10})
+    c.plan("workers-1", register=False)
+    c.run_until(lambda: state(c, "workers-0") == "healthy", "workers-0 healthy")
+    since = c.node("workers-1").state_since
+    while c.clock() - since <= 10:
+        assert c.node("workers-1").state.value == "provisioning" and c.status() == "creating"
+        c.step()
+    c.reconciler.tick()
+    assert c.status() == "failed"
+    assert "did not register within provision_timeout_s=10" in faulty_reason(c, "workers-1")
+    assert len(c.exit_requests) == 1
+
+
+# ---- node faults in service ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault, reason", NODE_FAULTS, ids=NODE_FAULT_IDS)
+def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fault, reason):
+    c = make(count=2, spares=1).create()
+    kind, kw = fault
+    injected_at = c.clock()
+    last_heartbeat = c.node("workers-0").last_heartbeat
+    c.inject_fault("workers-0", kind, **kw)
+    c.run_until(lambda: "faulty" in c.transitions("workers-0"), "workers-0 faulty")
+    faulty = next(e for e in c.events(node="workers-0") if e["to_state"] == "faulty")
+    assert reason in faulty["reason"], faulty["reason"]
+    h = c.spec.health
+    if kind == "freeze-node":  # judged at the first tick past the heartbeat timeout, never before
+        assert h.heartbeat_timeout_s < faulty["time"] - last_heartbeat <= h.heartbeat_timeout_s + c.interval
+    else:  # the next tick (kill-node), or the heartbeat after the agent's check ran (health faults)
+        assert faulty["time"] - injected_at <= 2 * c.interval
+
+    assert c.transitions("workers-0")[-3:] == ["faulty", "replacing", "terminated"]
+    replacing = next(e for e in c.events(node="workers-0") if e["to_state"] == "replacing")
+    assert "replaced by spare workers-2" in replacing["reason"]
+    assert ("terminate", "workers-0") in c.backend.calls
+    (promoted,) = [e for e in c.events(node="workers-2") if e["kind"] == "promoted"]
+    assert "replacing workers-0" in promoted["reason"]
+    c.run_until(lambda: state(c, "workers-3") == "healthy", "the pool refilled")
+    live = c.live()
+    assert {n for n, node in live.items() if not node.is_spare} == {"workers-1", "workers-2"}
+    assert [n for n, node in live.items() if node.is_spare] == ["workers-3"]
+    assert "refilling spare pool" in c.events(node="workers-3")[0]["reason"]
+    assert c.backend.launched() == ["workers-0", "workers-1", "workers-2", "workers-3"]
+    assert c.status() == "in-service"
+
+
+def test_a_faulty_spare_is_retired_and_a_refill_that_never_registers_times_out_and_is_replaced(make):
+    c = make(count=1, spares=1, health={"provision_timeout_s": 10}).create()
+    c.plan("workers-2", register=False)
+    c.inject_fault("workers-1", "kill-node")
+    c.step()
+    assert c.transitions("workers-1")[-3:] == ["faulty", "replacing", "terminated"]
+    retired = next(e for e in c.events(node="workers-1") if e["to_state"] == "replacing")
+    assert "faulty spare retired" in retired["reason"]
+    assert c.node("workers-2").is_spare and c.node("workers-2").state.value == "provisioning"
+    since = c.node("workers-2").state_since
+    while c.clock() - since <= 10:
+        assert c.node("workers-2").state.value == "provisioning"
+        c.step()
+    c.step()
+    assert "did not register within provision_timeout_s=10" in faulty_reason(c, "workers-2")
+    c.run_until(lambda: state(c, "workers-3") == "healthy", "a fresh spare")
+    assert c.node("workers-3").is_spare and c.states()["workers-2"] == "terminated"
+    assert c.node("workers-0").state.value == "healthy" and c.status() == "in-service"
+
+
+@pytest.mark.parametrize("how", ["lifecycle script fails", "launch fails"])
+def test_refills_that_fail_to_come_up_are_replaced_until_three_in_a_row_then_provisioning_stops(make, how):
+    c = make(count=1, spares=1).create()
+    refills = [f"workers-{i}" for i in range(2, 2 + MAX_PROVISION_FAILURES)]
+    if how == "launch fails":
+        c.backend.launch_error = "fork: resource temporarily unavailable"
+    else:
+        for name in refills:
+            c.plan(name, lifecycle_code=3, lifecycle_tail="fatal: /fsx unreachable")
+    c.inject_fault("workers-1", "kill-node")
+    c.steps(30)
+    assert c.backend.launched() == ["workers-0", "workers-1", *refills], "no fourth try"
+    for name in refills:
+        assert c.transitions(name)[-3:] == ["faulty", "replacing", "terminated"], name
+        expected = "could not start the agent: fork" if how == "launch fails" else "exited with code 3"
+        assert expected in faulty_reason(c, name)
+    assert c.store.groups()[0]["provision_failures"] == MAX_PROVISION_FAILURES
+    stuck = [e for e in c.events() if e["kind"] == "waiting" and "3 nodes in a row failed to come up" in e["reason"]]
+    assert len(stuck) == 1, "said once"
+    assert c.node("workers-0").state.value == "healthy" and c.status() == "in-service"
+
+
+def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace_period(make):
+    c = make(count=1, spares=1).create()
+    c.backend.stubborn.add("workers-0")  # wedged: frozen, and SIGTERM + SIGCONT do not end it
+    c.inject_fault("workers-0", "freeze-node")
+    c.run_until(lambda: state(c, "workers-0") == "replacing", "workers-0 being replaced")
+    since = c.node("workers-0").state_since
+    assert ("terminate", "workers-0") in c.backend.calls
+    while c.clock() - since <= TERMINATE_GRACE_S:
+        assert ("kill", "workers-0") not in c.backend.calls and state(c, "workers-0") == "replacing"
+        c.step()
+    c.step()  # the first tick past the grace period
+    assert ("kill", "workers-0") in c.backend.calls and state(c, "workers-0") == "replacing"
+    c.step()
+    assert state(c, "workers-0") == "terminated"
+    assert "killed by SIGKILL" in c.node("workers-0").reason
+
+
+def test_a_restarted_controller_counts_heartbeat_silence_from_its_own_start(make):
+    c = make(count=2, spares=1).create()
+    c.clock.advance(10)  # the controller was down: no heartbeat for 10 s, far past heartbeat_timeout_s
+    c.start_controller()
+    c.reconciler.tick()  # before any agent got through to it
+    c.steps(4)
+    assert set(c.states().values()) == {"healthy"}
+    assert not [e for e in c.events() if e["to_state"] == "faulty"]
+    c.inject_fault("workers-1", "freeze-node")  # silence after the restart still counts
+    c.run_until(lambda: "faulty" in c.transitions("workers-1"), "workers-1 faulty")
+    assert "no heartbeat for 3.5 s" in faulty_reason(c, "workers-1")
+
+
+def test_node_recovery_none_leaves_the_faulty_node_and_without_spares_a_fresh_node_replaces_it(make):
+    keep = make(count=1, spares=0, node_recovery="none").create()
+    heal = make(count=1, spares=0).create()
+    for c in (keep, heal):
+        c.inject_fault("workers-0", "kill-node")
+        c.steps(6)
+    assert keep.states() == {"workers-0": "faulty"} and keep.status() == "degraded"
+    assert keep.backend.launched() == ["workers-0"]
+    assert len([e for e in keep.events() if "node_recovery=none" in e["reason"]]) == 1
+    assert heal.states() == {"workers-0": "terminated", "workers-1": "healthy"}
+    assert not heal.node("workers-1").is_spare and heal.status() == "in-service"
+    replacing = [e for e in heal.events(node="workers-0") if e["to_state"] == "replacing"][0]
+    assert "freshly provisioned node (group has no spares)" in replacing["reason"]
+
+
+def test_the_deep_check_runs_one_round_at_creation_then_pairs_a_refill_with_a_healthy_peer(make):
+    c = make(count=2, spares=1, health={"deep_health_check": True}).create()
+    for name in ("workers-0", "workers-1", "workers-2"):
+        reason = [e for e in c.events(node=name) if e["to_state"] == "healthy"][0]["reason"]
+        assert "deep health check: bus bandwidth 1.000 GB/s" in reason, reason
+        assert "across workers-0, workers-1, workers-2, 3 processes" in reason, reason
+    c.plan("workers-3", busbw=0.01)  # a slow link: below deep_check_min_busbw_gbps (0.05)
+    c.inject_fault("workers-0", "kill-node")
+    c.run_until(lambda: "faulty" in c.transitions("workers-3"), "the slow refill judged")
+    reason = faulty_reason(c, "workers-3")
+    assert "bus bandwidth 0.010 GB/s" in reason and "across workers-1, workers-3" in reason, reason
+    assert "below deep_check_min_busbw_gbps=0.05" in reason
+    c.run_until(lambda: state(c, "workers-4") == "healthy", "the next refill")
+    reason = [e for e in c.events(node="workers-4") if e["to_state"] == "healthy"][0]["reason"]
+    assert "across workers-1, workers-4" in reason, reason
+
+
+def test_a_deep_check_below_the_threshold_fails_creation_with_the_figure(make):
+    c = make(count=2, spares=0, health={"deep_health_check": True, "deep_check_min_busbw_gbps": 1e6})
+    c.run_until(lambda: c.status() == "failed", "creation to fail")
+    (why,) = c.exit_requests
+    assert "deep health check: bus bandwidth 1.000 GB/s" in why and "below deep_check_min_busbw_gbps=1e+06" in why
+
+
+# ---- jobs ------------------------------------------------------------------------------------------------------------
+def test_refused_submits_start_nothing(make):
+    c = make(count=2, spares=1)
+    with pytest.raises(JobRequestError) as err:
+        c.submit(nodes=1)
+    assert err.value.status == 409 and "is creating" in str(err.value)
+    c.create()
+    with pytest.raises(JobRequestError) as err:
+        c.submit(nodes=3)
+    assert err.value.status == 422 and "more than group workers has: 2 worker nodes" in str(err.value)
+    with pytest.raises(JobRequestError) as err:
+        c.jobs.submit(kind="command", nodes=1, argv=["x"], cwd="/", recovery=protocol.CHECKPOINTLESS)
+    assert err.value.status == 422 and "--recovery checkpointless needs a training config" in str(err.value)
+    with pytest.raises(JobRequestError) as err:
+        c.jobs.submit(kind="train", nodes=1, cwd="/")
+    assert err.value.status == 422
+    c.steps(2)
+    assert c.jobs.records.jobs() == [] and c.jobs.records.generations() == []
+
+
+def test_a_job_runs_one_generation_on_healthy_members_and_succeeds_when_every_rank_exits_0(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2)
+    assert job.state == J.PENDING
+    ws = running(c, job.id, 1)
+    j = c.job(job.id)
+    assert j.state == J.RUNNING and j.generation == 1 and j.nodes == ["workers-0", "workers-1"]
+    (gen,) = c.generations(job.id)
+    assert (gen.master_addr, ws[0][0].name, ws[1][0].name) == ("workers-0.fake", "workers-0", "workers-1")
+    assigned = ws[1][0].assigned[(job.id, 1)]
+    assert assigned["master_port"] == gen.master_port and assigned["world_size"] == 2
+    assert not c.agents["workers-2"].workers, "a spare runs no job"
+    assert c.node("workers-0").job == job.id
+    for agent, w in ws.values():
+        agent.exit_worker(w, 0)
+    c.run_until(lambda: c.job(job.id).state == J.SUCCEEDED, "the job to succeed")
+    (gen,) = c.generations(job.id)
+    assert gen.outcome == "succeeded" and gen.end_reason == "all 2 ranks exited 0"
+    assert job_states(c, job.id) == ["pending", "running", "succeeded"]
+    c.step()
+    assert c.node("workers-0").job is None
+
+
+def test_a_job_waits_for_free_healthy_nodes(make):
+    c = make(count=2, spares=1).create()
+    first = c.submit(nodes=2)
+    running(c, first.id, 1)
+    second = c.submit(nodes=1)
+    c.steps(3)
+    assert c.job(second.id).state == J.PENDING
+    assert "waiting for 1 free healthy nodes of group workers (0 free now)" in c.job(second.id).reason
+    c.jobs.cancel(first.id)
+    running(c, second.id, 1, ranks=1)
+    assert c.job(second.id).nodes == ["workers-0"], "never on the spare"
+
+
+@pytest.mark.parametrize("fault, reason", NODE_FAULTS, ids=NODE_FAULT_IDS)
+def test_a_node_fault_stops_the_generation_and_auto_resume_restarts_on_the_survivor_and_the_promoted_spare(
+        make, fault, reason):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, auto_resume=True)
+    gen1 = running(c, job.id, 1)
+    survivor = gen1[0][1]
+    kind, kw = fault
+    c.inject_fault("workers-1", kind, **kw)
+    c.run_until(lambda: c.generations(job.id)[0].stop_at is not None, "generation 1 told to stop")
+    assert c.job(job.id).state == J.RECOVERING
+    (g1,) = c.generations(job.id)
+    assert g1.ended_at is None and survivor.state == "running", "ends only once its workers are confirmed gone"
+    c.run_until(lambda: len(c.generations(job.id)) == 2, "generation 2")
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "node-fault" and "node workers-1 faulty" in g1.end_reason and reason in g1.end_reason
+    assert survivor.stopped and survivor.ended_at <= g2.started_at, "the survivor's worker stopped first"
+    assert g2.nodes == ["workers-0", "workers-2"] and g2.master_port != g1.master_port
+    j = c.job(job.id)
+    assert (j.state, j.attempts, j.node_faults, j.retries) == (J.RUNNING, 2, 1, 0)
+    assert "next: restart on healthy nodes (replacing workers-1) (the command is run again)" in recovery(c, job.id)
+    assert job_states(c, job.id) == ["pending", "running", "recovering", "running"]
+    gen2 = running(c, job.id, 2)
+    assert {r: a.name for r, (a, _) in gen2.items()} == {0: "workers-0", 1: "workers-2"}
+    assert gen2[0][1].pid != survivor.pid, "a restart starts fresh processes"
+    c.run_until(lambda: state(c, "workers-3") == "healthy", "the pool refilled")
+    assert c.node("workers-3").is_spare
+
+
+def test_a_node_fault_without_auto_resume_fails_the_job_and_the_node_is_still_replaced(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2)
+    gen1 = running(c, job.id, 1)
+    c.inject_fault("workers-1", "kill-node")
+    c.run_until(lambda: c.job(job.id).state == J.FAILED, "the job to fail")
+    j = c.job(job.id)
+    assert j.attempts == 1 and "node workers-1 faulty" in j.reason and "auto-resume is off" in j.reason, j.reason
+    assert gen1[0][1].stopped, "the survivor's worker is stopped"
+    assert len(c.generations(job.id)) == 1 and c.generations(job.id)[0].outcome == "node-fault"
+    c.steps(2)
+    assert c.states()["workers-1"] == "terminated" and not c.node("workers-2").is_spare
+
+
+def test_without_a_free_spare_the_job_waits_for_a_fresh_node(make):
+    c = make(count=2, spares=0).create()
+    job = c.submit(nodes=2, auto_resume=True)
+    running(c, job.id, 1)
+    c.inject_fault("workers-0", "kill-node")
+    c.run_until(lambda: c.job(job.id).reason and "waiting for 1 healthy node(s) to replace workers-0"
+                in c.job(job.id).reason, "the job to wait")
+    assert "spare pool: 0 healthy spares, 0 being provisioned" in c.job(job.id).reason
+    assert len(c.generations(job.id)) == 1
+    c.run_until(lambda: len(c.generations(job.id)) == 2, "generation 2")
+    g2 = c.generations(job.id)[1]
+    assert g2.nodes == ["workers-2", "workers-1"], "the fresh node takes rank 0's place"
+    healthy_at = next(e["time"] for e in c.events(node="workers-2") if e["to_state"] == "healthy")
+    assert g2.started_at >= healthy_at
+
+
+def test_app_errors_retry_on_the_same_nodes_up_to_max_retries_then_fail(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, max_retries=2, auto_resume=True)
+    for g in (1, 2, 3):
+        agent, w = running(c, job.id, g)[1]
+        agent.exit_worker(w, 3)
+        c.run_until(lambda: c.jobs.records.generation(job.id, g).ended_at is not None, f"generation {g} to end")
+        if g < 3:
+            assert c.job(job.id).retries == g and f"retry {g}/2 on the same nodes" in recovery(c, job.id)
+    c.step()
+    j = c.job(job.id)
+    assert (j.state, j.attempts, j.retries) == (J.FAILED, 3, 2)
+    assert "rank 1 on workers-1 exited with code 3" in j.reason and "max_retries=2" in j.reason, j.reason
+    gens = c.generations(job.id)
+    assert [g.outcome for g in gens] == ["app-error"] * 3
+    assert all(g.nodes == ["workers-0", "workers-1"] for g in gens)
+    assert len({g.master_port for g in gens}) == 3, "a fresh rendezvous port per generation"
+    assert not [e for e in c.events() if e["to_state"] == "faulty"], "an app error replaces nothing"
+
+
+def test_a_killed_worker_of_a_restart_job_is_an_app_error_retried_on_the_same_nodes(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, max_retries=1)
+    first = running(c, job.id, 1)
+    c.inject_fault("workers-1", "kill-worker")
+    assert c.backend.signals == [("workers-1", first[1][1].pid, signal.SIGKILL)]
+    second = running(c, job.id, 2)
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "app-error" and "rank 1 on workers-1 killed by SIGKILL" in g1.end_reason
+    assert g2.nodes == g1.nodes and c.job(job.id).retries == 1 and first[0][1].stopped
+    assert {a.name for a, _ in second.values()} == {"workers-0", "workers-1"}
+    assert not [e for e in c.events() if e["to_state"] == "faulty"]
+
+
+def test_a_frozen_hang_is_a_node_fault_and_only_the_frozen_ranks_node_is_replaced(make):
+    c = make(count=2, spares=1, health={"hang_timeout_s": 4.0}).create()
+    job = c.submit(nodes=2, auto_resume=True)
+    running(c, job.id, 1)
+    injected_at = c.clock()
+    c.inject_fault("workers-1", "hang-worker")
+    c.run_until(lambda: len(c.generations(job.id)) == 2, "generation 2")
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "node-fault" and "rank 1 on workers-1 hung (frozen" in g1.end_reason, g1.end_reason
+    assert 4.0 <= g1.stop_at - injected_at <= 4.0 + 2 * c.interval, "hang_timeout_s, then the next heartbeat"
+    assert "a hang is a node fault" in faulty_reason(c, "workers-1")
+    assert not [e for e in c.events(node="workers-0") if e["to_state"] == "faulty"], "the waiting rank's node stays"
+    assert g2.nodes == ["workers-0", "workers-2"]
+    assert [e for e in c.events(job=job.id) if e["kind"] == "hang"]
+    hung = [w for w in c.jobs.records.workers(job=job.id, generation=1) if w.hang]
+    assert [(w.rank, w.frozen, w.detail) for w in hung] == [(1, True, "killed by SIGKILL")]
+
+
+def test_a_stalled_hang_is_an_app_error_on_the_same_nodes(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, auto_resume=True, max_retries=1)
+    for agent, w in running(c, job.id, 1).values():  # every rank alive, nobody progressing: a deadlock
+        agent.hang(w, frozen=False)
+    running(c, job.id, 2)
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "app-error" and "hung (stalled" in g1.end_reason, g1.end_reason
+    assert g2.nodes == g1.nodes and c.job(job.id).retries == 1
+    assert not [e for e in c.events() if e["to_state"] == "faulty"], "a stall replaces nothing"
+
+
+def test_a_restart_job_xid_restarts_on_the_same_nodes_without_using_a_retry_and_fails_without_auto_resume(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, auto_resume=True, max_retries=0)
+    first = running(c, job.id, 1)
+    c.inject_fault("workers-0", "gpu-xid", xid=13)
+    running(c, job.id, 2)
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "restart-job" and "XID [13] (injected): application-level fault" in g1.end_reason
+    assert g2.nodes == g1.nodes and c.job(job.id).retries == 0 and first[0][1].stopped
+    c.steps(4)  # the node's latest health still names the XID, but it predates generation 2
+    assert len(c.generations(job.id)) == 2 and c.job(job.id).state == J.RUNNING
+    assert c.node("workers-0").state.value == "healthy"
+    c.jobs.cancel(job.id)
+
+    plain = c.submit(nodes=2)
+    running(c, plain.id, 1)
+    c.inject_fault("workers-1", "gpu-xid", xid=31)
+    c.run_until(lambda: c.job(plain.id).state == J.FAILED, "the job to fail")
+    assert "XID [31]" in c.job(plain.id).reason and "auto-resume is off" in c.job(plain.id).reason
+    assert not [e for e in c.events() if e["to_state"] == "faulty"], "a job-level XID replaces nothing"
+
+
+def test_cancel_stops_the_generation_and_frees_its_nodes(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2)
+    ws = running(c, job.id, 1)
+    assert c.jobs.cancel(job.id).state == J.CANCELLED
+    with pytest.raises(JobRequestError) as err:
+        c.jobs.cancel(job.id)
+    assert err.value.status == 409
+    c.run_until(lambda: c.generations(job.id)[0].ended_at is not None, "the cancelled generation to end")
+    assert c.generations(job.id)[0].outcome == "cancelled"
+    assert all(w.stopped for _, w in ws.values())
+    nxt = c.submit(nodes=2)
+    running(c, nxt.id, 1)
+    assert c.job(nxt.id).nodes == ["workers-0", "workers-1"]
+
+
+def test_a_controller_restart_leaves_the_running_job_and_its_progress_alone(make):
+    c = make(count=2, spares=0).create()
+    job = c.submit(nodes=2, auto_resume=True)
+    before = {r: w.pid for r, (_, w) in running(c, job.id, 1).items()}
+    for rank in (0, 1):
+        c.report_step(job.id, 1, rank, 7)
+    c.run_until(lambda: c.job(job.id).last_step == 7, "progress recorded")
+    c.clock.advance(10)  # the controller was down past the heartbeat timeout; the workers kept training
+    c.start_controller()
+    c.rendezvous.data.clear()  # the restarted controller's store comes back empty
+    for rank in (0, 1):
+        c.report_step(job.id, 1, rank, 9)  # workers re-publish at their next step
+    c.run_until(lambda: c.job(job.id).last_step == 9, "progress after the restart")
+    c.steps(4)
+    assert {r: w.pid for r, (_, w) in c.workers(job.id).items()} == before
+    j = c.job(job.id)
+    assert (j.state, j.generation, j.attempts) == (J.RUNNING, 1, 1) and len(c.generations(job.id)) == 1
+    assert not [e for e in c.events() if e["to_state"] == "faulty"]
+
+
+# ---- checkpointless jobs: in place ------------------------------------------------------------------------------
+def test_a_checkpointless_node_fault_recovers_in_place_with_survivors_carried_and_a_standby_taking_the_rank(make):
+    c = make(count=2, spares=1, warm_standby=True).create()
+    c.steps(2)  # idle nodes keep warm standbys
+    spare_standby = c.agents["workers-2"].standbys[0]
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    gen1 = running(c, job.id, 1)
+    survivor = gen1[0][1]
+    assert c.rendezvous.get(protocol.generation_key(job.id)) == b"1"
+    c.inject_fault("workers-1", "kill-node")
+    c.step()  # one tick: faulty, generation 1 ended in place, spare promoted, generation 2 started
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "node-fault" and g1.ended_at == g1.stop_at, "nobody is waited for"
+    assert g2.nodes == ["workers-0", "workers-2"] and g2.standbys == {"1": spare_standby}
+    assert "survivors keep running and wait for generation 2 with workers-1 replaced" in recovery(c, job.id)
+    layout = json.loads(c.rendezvous.get(protocol.layout_key(job.id, 2)))
+    assert layout["nodes"] == ["workers-0", "workers-2"] and c.rendezvous.get(protocol.generation_key(job.id)) == b"2"
+    assert c.rendezvous.check([protocol.standby_key(spare_standby)]), "the standby's rank env was published"
+    assert not survivor.stopped
+    gen2 = running(c, job.id, 2)
+    assert gen2[0][1] is survivor and survivor.pid == gen1[0][1].pid and survivor.carried_from == [1, 0]
+    assert gen2[1][1].pid == c.standby_pids[spare_standby], "the warm standby was adopted"
+    rows = {(w.generation, w.rank): w.state for w in c.jobs.records.workers(job=job.id)}
+    assert rows[(1, 0)] == "carried" and rows[(2, 0)] == rows[(2, 1)] == "running"
+    assert c.job(job.id).node_faults == 1 and c.job(job.id).state == J.RUNNING
+
+    summary = {"source": "peer-memory", "step": 16, "bytes": 4096, "seconds": 0.25,
+               "events": [{"event": "resumed", "step": 16, "world_size": 2, "steps_lost": 0}]}
+    c.rendezvous.set(protocol.recovered_key(job.id, 2), json.dumps(summary))
+    c.step()
+    assert c.generations(job.id)[1].restored["source"] == "peer-memory"
+    kinds = {e["kind"]: e["reason"] for e in c.events(job=job.id)}
+    assert "restored from peer-memory at step 16" in kinds["state_restored"]
+    assert "training resumed at step 16 on 2 ranks, 0 committed step(s) redone" in kinds["resumed"]
+
+
+def test_a_checkpointless_worker_killed_is_a_process_fault_recovered_in_place_on_the_same_nodes(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    gen1 = running(c, job.id, 1)
+    c.inject_fault("workers-1", "kill-worker")
+    gen2 = running(c, job.id, 2)
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "process-fault" and g2.nodes == g1.nodes
+    assert "a new process in the failed one's place" in recovery(c, job.id)
+    assert gen2[0][1] is gen1[0][1] and gen2[0][1].carried_from == [1, 0], "the survivor carried"
+    assert gen2[1][1].pid != gen1[1][1].pid and gen2[1][1].carried_from is None, "the killed rank starts fresh"
+    assert c.job(job.id).retries == 0 and not [e for e in c.events() if e["to_state"] == "faulty"]
+
+
+def test_a_checkpointless_second_node_lost_while_regrouping_recovers_in_place_again(make):
+    c = make(count=2, spares=2).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    survivor = running(c, job.id, 1)[0][1]
+    c.inject_fault("workers-1", "kill-node")
+    c.step()
+    assert c.generations(job.id)[1].nodes == ["workers-0", "workers-2"]
+    c.inject_fault("workers-2", "kill-node")  # the replacement dies before generation 2 ever ran
+    gen3 = running(c, job.id, 3)
+    outcomes = [g.outcome for g in c.generations(job.id)]
+    assert outcomes == ["node-fault", "node-fault", None]
+    assert c.generations(job.id)[2].nodes == ["workers-0", "workers-3"]
+    assert gen3[0][1] is survivor and survivor.stopped is False, "the survivor carried through both"
+    assert c.job(job.id).node_faults == 2
+
+
+def test_a_checkpointless_collective_broken_with_nobody_dead_regroups_every_process_after_the_grace(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    gen1 = running(c, job.id, 1)
+    c.rendezvous.add(protocol.left_key(job.id, 1), 1)  # rank 1 left generation 1 after a failed collective
+    c.step()
+    seen = c.clock() - c.interval
+    h = c.spec.health
+    grace = h.heartbeat_timeout_s + 2 * h.heartbeat_interval_s
+    while c.clock() - seen < grace:
+        assert len(c.generations(job.id)) == 1, "a real fault may still show up"
+        c.step()
+    gen2 = running(c, job.id, 2)
+    g1, g2 = c.generations(job.id)
+    assert g1.outcome == "stranded" and "left generation 1" in g1.end_reason and g2.nodes == g1.nodes
+    assert {r: w.pid for r, (_, w) in gen2.items()} == {r: w.pid for r, (_, w) in gen1.items()}
+    assert all(w.carried_from == [1, r] for r, (_, w) in gen2.items()), "every process carried"
+    assert "every process regroups in generation 2 on the same nodes" in recovery(c, job.id)
+
+
+def test_a_checkpointless_job_whose_node_froze_as_training_ended_succeeds(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    ws = running(c, job.id, 1)
+    c.inject_fault("workers-1", "freeze-node")
+    c.rendezvous.set(protocol.finished_key(job.id), json.dumps({"step": 48}))
+    ws[0][0].exit_worker(ws[0][1], 0)  # rank 0 exits; rank 1's exit is never reported (its agent is frozen)
+    c.steps(2)
+    assert c.job(job.id).state == J.RUNNING, "waits while rank 1's node may still report"
+    c.run_until(lambda: c.job(job.id).state == J.SUCCEEDED, "the job to succeed")
+    j = c.job(job.id)
+    assert j.last_step == 48 and len(c.generations(job.id)) == 1
+    assert "rank 1 not seen exiting: its node workers-1 is faulty" in j.reason, j.reason
+
+
+def test_a_checkpointless_app_error_is_not_recovered_in_place(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    ws = running(c, job.id, 1)
+    ws[1][0].exit_worker(ws[1][1], 1)  # a bug, a bad batch: the peers' state is not to be trusted
+    c.run_until(lambda: c.job(job.id).state == J.FAILED, "the job to fail")
+    (g1,) = c.generations(job.id)
+    assert g1.outcome == "app-error" and ws[0][1].stopped, "the survivor was stopped, not carried"
+    assert "max_retries=0" in c.job(job.id).reason
+
+
+def test_in_place_recoveries_that_never_restore_end_in_a_restart_with_fresh_processes(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    survivor = running(c, job.id, 1)[0][1]
+    for g in range(1, MAX_FAILED_REGROUPS + 2):
+        running(c, job.id, g)
+        c.inject_fault("workers-1", "kill-worker")  # rank 1 dies again before any state was restored
+        c.run_until(lambda: len(c.generations(job.id)) == g + 1, f"generation {g + 1}")
+    outcomes = [g.outcome for g in c.generations(job.id)]
+    assert outcomes == ["process-fault"] * MAX_FAILED_REGROUPS + ["regroup-failed", None], outcomes
+    last = c.generations(job.id)[-1]
+    assert f"{MAX_FAILED_REGROUPS} in-place recoveries in a row failed" in c.generations(job.id)[-2].end_reason
+    fresh = running(c, job.id, last.generation)
+    assert survivor.stopped, "the survivor was stopped this time"
+    assert all(w.carried_from is None and w.pid != survivor.pid for _, w in fresh.values())
+    assert last.nodes == ["workers-0", "workers-1"]
