@@ -28,14 +28,15 @@ import time
 from typing import Callable
 
 from phalanx import protocol
-from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
+from phalanx.protocol.messages import RecoverySummary
+from phalanx.control.state.jobs import FaultKind, Outcome, ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
 from phalanx.control.state.store import NodeState, Store
 from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
-NODE_FAULTS = ("node", "hang")
-IN_PLACE_OUTCOMES = ("node-fault", "process-fault", "stranded")
+NODE_FAULTS = (FaultKind.NODE, FaultKind.HANG)
+IN_PLACE_OUTCOMES = (Outcome.NODE_FAULT, Outcome.PROCESS_FAULT, Outcome.STRANDED)
 MAX_FAILED_REGROUPS = 3  # in-place recoveries in a row that never restored: then restart from the checkpoint
 
 
@@ -100,8 +101,8 @@ class InPlaceRecovery:
     def recoverable(fault: dict) -> bool:
         """A node's fault, a process killed by a signal, or a broken collective: the peers' state is intact.
         A worker that exited with an error code (a bug, a bad batch) or a stall is the application's."""
-        killed = fault["kind"] == "exit" and (fault.get("code") or 0) < 0
-        return fault["kind"] in (*NODE_FAULTS, "stranded") or killed
+        killed = fault["kind"] == FaultKind.EXIT and (fault.get("code") or 0) < 0
+        return fault["kind"] in (*NODE_FAULTS, FaultKind.STRANDED) or killed
 
     def stranded(self, job: Job, gen: Generation, now: float) -> list[dict]:
         """Ranks left the generation after a failed collective, yet no worker exited and every node is healthy
@@ -123,7 +124,7 @@ class InPlaceRecovery:
         if now - first < grace:
             return []
         del self._left_seen[key]
-        return [{"kind": "stranded", "node": None, "rank": None, "time": first,
+        return [{"kind": FaultKind.STRANDED, "node": None, "rank": None, "time": first,
                  "detail": f"{left} rank(s) left generation {gen.generation} after a failed collective and no "
                            f"worker or node fault followed within {grace:g} s (a network error?)"}]
 
@@ -136,7 +137,7 @@ class InPlaceRecovery:
             failed, g = failed + 1, prev
         if failed < MAX_FAILED_REGROUPS:
             return None
-        return {"kind": "regroup-failed", "node": None, "rank": None, "time": self.clock(),
+        return {"kind": FaultKind.REGROUP_FAILED, "node": None, "rank": None, "time": self.clock(),
                 "detail": f"{failed} in-place recoveries in a row failed before restoring any state (generations "
                           f"{gen.generation - failed + 1}-{gen.generation})"}
 
@@ -148,8 +149,8 @@ class InPlaceRecovery:
         node_fault = any(f["kind"] in NODE_FAULTS for f in faults)
         first = faults[0]["detail"]
         bad = sorted({f["node"] for f in faults if f["kind"] in NODE_FAULTS})
-        stranded = all(f["kind"] == "stranded" for f in faults)
-        outcome = "node-fault" if node_fault else "stranded" if stranded else "process-fault"
+        stranded = all(f["kind"] == FaultKind.STRANDED for f in faults)
+        outcome = Outcome.NODE_FAULT if node_fault else Outcome.STRANDED if stranded else Outcome.PROCESS_FAULT
         self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, end_reason=first,
                                        outcome=outcome)
         if node_fault:
@@ -190,7 +191,7 @@ class InPlaceRecovery:
                for w in rows if w.state != "exited" or w.exit_code != 0]
         done = "training finished" + (f" (then {'; '.join(bad)} on the way out)" if bad else "")
         step = finished["step"]  # rank 0's word: a rank whose agent stopped relaying may show an older step
-        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome="succeeded",
+        self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome=Outcome.SUCCEEDED,
                                        end_reason=done, last_step=step)
         self.records.update_job(job.id, last_step=step)
         self.records.transition(job.id, J.SUCCEEDED, f"{done} (last step {step})")
@@ -206,8 +207,11 @@ class InPlaceRecovery:
         try:
             if not self.rendezvous.check([key]):
                 return
-            summary = json.loads(self.rendezvous.get(key))
-        except (RuntimeError, ValueError):
+            summary = RecoverySummary.model_validate_json(self.rendezvous.get(key)).model_dump(exclude_none=True)
+        except (RuntimeError, ValueError) as err:  # (a pydantic ValidationError is a ValueError)
+            if not isinstance(err, RuntimeError):
+                log.warning("job %s generation %d: unreadable recovery summary (%s); next: not recorded", job.id,
+                            gen.generation, str(err).splitlines()[0])
             return
         told = {e["event"]: e for e in summary.pop("events", [])}
         self.records.update_generation(job.id, gen.generation, restored=summary)

@@ -41,7 +41,7 @@ from typing import Callable
 from phalanx import protocol
 from phalanx.control.agent.health import restart_job_failures
 from phalanx.control.policy.inplace import NODE_FAULTS, InPlaceRecovery
-from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
+from phalanx.control.state.jobs import FaultKind, Outcome, ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
 from phalanx.control.state.store import Node, NodeState, Store
 from phalanx.control.policy.admission import Admission
 from phalanx.control.policy.assignments import Assignments
@@ -91,7 +91,7 @@ class JobScheduler(Admission, Assignments):
         self._track_progress(job, gen, rows, now)
         if len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows):
             done = f"all {job.world_size} ranks exited 0"
-            self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome="succeeded",
+            self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome=Outcome.SUCCEEDED,
                                            end_reason=done)
             step = self.records.job(job.id).last_step
             self.records.transition(job.id, J.SUCCEEDED, done + (f" (last step {step})" if step is not None else ""))
@@ -122,20 +122,20 @@ class JobScheduler(Admission, Assignments):
             node = self.store.node(name)
             if node is None or node.state != S.HEALTHY:
                 why = (node.reason or "").splitlines()[0] if node else "unknown node"
-                found.append({"kind": "node", "node": name, "rank": None, "time": self.clock(),
+                found.append({"kind": FaultKind.NODE, "node": name, "rank": None, "time": self.clock(),
                               "detail": f"node {name} {node.state.value if node else 'gone'}: {why}"})
             elif failed := restart_job_failures(node.health, since=gen.started_at):
                 what = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
-                found.append({"kind": "restart-job", "node": name, "rank": None, "time": node.health["checked_at"],
+                found.append({"kind": FaultKind.RESTART_JOB, "node": name, "rank": None, "time": node.health["checked_at"],
                               "detail": f"node {name} health check asks for a job restart ({what})"})
         for w in rows:
             if w.state == "exited" and not w.stopped and w.exit_code != 0:
                 if w.hang:
-                    found.append({"kind": "hang" if w.frozen else "stall", "node": w.node, "rank": w.rank,
+                    found.append({"kind": FaultKind.HANG if w.frozen else FaultKind.STALL, "node": w.node, "rank": w.rank,
                                   "time": w.ended_at,
                                   "detail": f"rank {w.rank} on {w.node} hung ({w.hang}); killed by its agent"})
                 else:
-                    found.append({"kind": "exit", "node": w.node, "rank": w.rank, "time": w.ended_at,
+                    found.append({"kind": FaultKind.EXIT, "node": w.node, "rank": w.rank, "time": w.ended_at,
                                   "code": w.exit_code, "detail": f"rank {w.rank} on {w.node} {w.detail}"})
         return found
 
@@ -146,7 +146,7 @@ class JobScheduler(Admission, Assignments):
         if not new:
             return current
         for f in new:
-            if f["kind"] == "hang":
+            if f["kind"] == FaultKind.HANG:
                 self.store.record_event(E.HANG, f["detail"], node=f["node"], job=job.id)
                 node = self.store.node(f["node"])
                 if node is not None and node.state == S.HEALTHY:
@@ -182,7 +182,7 @@ class JobScheduler(Admission, Assignments):
         if not self._all_stopped(gen):
             return
         if not fault_path:
-            self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="cancelled"
+            self.records.update_generation(job.id, gen.generation, ended_at=now, outcome=Outcome.CANCELLED
                                            if job.state == J.CANCELLED else job.state.value)
             return
         self._conclude(job, self.records.generation(job.id, gen.generation), now)
@@ -205,24 +205,24 @@ class JobScheduler(Admission, Assignments):
 
     def _conclude(self, job: Job, gen: Generation, now: float) -> None:
         """Every worker of the stopped generation is gone: classify the faults and restart or fail."""
-        looping = [f for f in gen.faults if f["kind"] == "regroup-failed"]
+        looping = [f for f in gen.faults if f["kind"] == FaultKind.REGROUP_FAILED]
         if looping:  # not in place again: fresh processes, on healthy nodes, from the newest checkpoint
-            return self._resume_or_fail(job, gen, now, "regroup-failed", looping[0]["detail"],
+            return self._resume_or_fail(job, gen, now, Outcome.REGROUP_FAILED, looping[0]["detail"],
                                         "with fresh processes on healthy nodes", "on healthy nodes")
         node_faults = [f for f in gen.faults if f["kind"] in NODE_FAULTS]
         if node_faults:
-            root = next((f for f in node_faults if f["kind"] == "hang"), node_faults[0])
+            root = next((f for f in node_faults if f["kind"] == FaultKind.HANG), node_faults[0])
             bad = sorted({f["node"] for f in node_faults})
             self.records.update_job(job.id, node_faults=job.node_faults + 1)
-            return self._resume_or_fail(job, gen, now, "node-fault", root["detail"],
+            return self._resume_or_fail(job, gen, now, Outcome.NODE_FAULT, root["detail"],
                                         f"on healthy nodes (replacing {', '.join(bad)})", "on a replacement node")
-        gpu = [f for f in gen.faults if f["kind"] == "restart-job"]
+        gpu = [f for f in gen.faults if f["kind"] == FaultKind.RESTART_JOB]
         if gpu:  # the node is sound, the job's processes on it are not: restart on the same nodes, not a retry
-            return self._resume_or_fail(job, gen, now, "restart-job", gpu[0]["detail"], "on the same nodes",
+            return self._resume_or_fail(job, gen, now, Outcome.RESTART_JOB, gpu[0]["detail"], "on the same nodes",
                                         "on the same nodes")
-        exits = sorted((f for f in gen.faults if f["kind"] in ("exit", "stall")), key=lambda f: f["time"] or 0)
+        exits = sorted((f for f in gen.faults if f["kind"] in (FaultKind.EXIT, FaultKind.STALL)), key=lambda f: f["time"] or 0)
         root = exits[0]["detail"] if exits else gen.end_reason or "generation stopped"
-        self.records.update_generation(job.id, gen.generation, ended_at=now, outcome="app-error", end_reason=root)
+        self.records.update_generation(job.id, gen.generation, ended_at=now, outcome=Outcome.APP_ERROR, end_reason=root)
         if job.retries < job.max_retries:
             why = (f"{root} (application error: every node healthy); next: retry {job.retries + 1}/"
                    f"{job.max_retries} on the same nodes")
@@ -325,7 +325,7 @@ class JobScheduler(Admission, Assignments):
                            for i, n in enumerate(nodes))
         what = f"generation {g} on {len(nodes)} nodes ({layout}); MASTER_ADDR={addr} MASTER_PORT={port}"
         prev = self.records.generation(job.id, g - 1) if g > 1 else None
-        if prev is not None and prev.outcome == "stranded":
+        if prev is not None and prev.outcome == Outcome.STRANDED:
             what += "; checkpointless: every process regroups in place"
         elif prev is not None and self.inplace.in_place(job, prev):
             what += "; checkpointless: survivors regroup in place, replacements restore from peers' memory"

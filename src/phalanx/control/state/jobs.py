@@ -26,7 +26,33 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
+from phalanx.observability.events import EventKind
 from phalanx.control.state.store import IllegalTransition, Store
+
+
+class FaultKind(str, Enum):
+    """What ended (or will end) a generation, as recorded in `Generation.faults`."""
+
+    NODE = "node"  # a node of the job is not healthy (gone, silent, failed health check)
+    HANG = "hang"  # a worker froze (its agent killed it): a node fault too
+    STALL = "stall"  # every rank alive and waiting: a job-level fault
+    EXIT = "exit"  # a worker exited non-zero (killed by a signal: negative code)
+    RESTART_JOB = "restart-job"  # a health check asks for a restart of the job on the same nodes (GPU XID)
+    STRANDED = "stranded"  # a collective broke with every process alive (checkpointless: regroup them)
+    REGROUP_FAILED = "regroup-failed"  # in-place recoveries in a row that never restored
+
+
+class Outcome(str, Enum):
+    """How a generation ended (`Generation.outcome`)."""
+
+    SUCCEEDED = "succeeded"
+    CANCELLED = "cancelled"
+    APP_ERROR = "app-error"
+    NODE_FAULT = "node-fault"
+    RESTART_JOB = "restart-job"
+    PROCESS_FAULT = "process-fault"  # checkpointless: a worker died, its node is healthy
+    STRANDED = "stranded"
+    REGROUP_FAILED = "regroup-failed"
 
 
 class JobState(str, Enum):
@@ -207,7 +233,7 @@ class JobRecords:
                    f"{group}, auto_resume={'on' if auto_resume else 'off'}, max_retries={max_retries}, " \
                    f"recovery={recovery}"
             db.execute("INSERT INTO events (time, job, kind, to_state, reason) VALUES (?,?,?,?,?)",
-                       (now, job_id, "job", J.PENDING.value, what))
+                       (now, job_id, EventKind.JOB.value, J.PENDING.value, what))
         return self.job(job_id)
 
     def job(self, job_id: str) -> Job | None:
@@ -259,7 +285,7 @@ class JobRecords:
             enc = _enc(values)
             db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in enc)} WHERE id=?", (*enc.values(), job_id))
             db.execute("INSERT INTO events (time, job, kind, from_state, to_state, reason) VALUES (?,?,?,?,?,?)",
-                       (now, job_id, "job", frm.value, to.value, reason))
+                       (now, job_id, EventKind.JOB.value, frm.value, to.value, reason))
         return self.job(job_id)
 
     # ---- generations --------------------------------------------------------------------------------
