@@ -75,7 +75,7 @@ def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = 
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "phalanx.train.worker"],
+            [sys.executable, "-m", "phalanx.worker"],
             env=worker_env(rank, nproc, port, config_path, threads),
         )
         for rank in range(nproc)

@@ -1,19 +1,15 @@
-"""Entry point of one training worker process: `python -m phalanx.train.worker`.
+"""Restart-mode training in one worker process, and what every worker needs from its environment: the
+device, the config (resolved like `phalanx train`), the default process group from the env, progress reports
+to a node agent through the trainer's callbacks.
 
-Reads the seam's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
-PHALANX_CONFIG: a YAML recipe, or the resolved config JSON that `phalanx train` and the control plane pass;
-`key.sub=value` overrides from PHALANX_OVERRIDES and the command line, resolved like `phalanx train`),
-initialises torch.distributed (NCCL on GPU, gloo on CPU) and runs the `Trainer`. Works the same under
-`phalanx train`, torchrun, srun or a Phalanx node agent. A config that cannot run: one `error:` line, exit 2.
-
-Under an agent with PHALANX_RECOVERY=checkpointless the process runs `phalanx.resilience.run` instead: it
-survives its peers' failures and regroups on the controller's store, generation after generation.
-`--standby` starts a warm spare's worker: torch imported, waiting for the rank it must become.
+`run_restart` builds the `Trainer` and trains to the end; a failure ends the process, and a restart resumes
+from the newest checkpoint. The process entry point, which picks this mode or checkpointless recovery, is
+`phalanx.worker`; `python -m phalanx.train.worker` (the module name agents still run) hands over to it.
+Knows nothing about checkpointless recovery (`phalanx.resilience`) or the controller beyond `phalanx.protocol`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 import sys
@@ -23,11 +19,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx import protocol
-from phalanx.process import exit_without_teardown
 from phalanx.train.callbacks import Callback
-from phalanx.train.config import ConfigError, TrainConfig, config_from_dict, load_config
+from phalanx.train.config import ConfigError, TrainConfig, load_config
 
-log = logging.getLogger("phalanx.worker")
 FLUSH_S = 5.0  # at most this long, at exit, for the store to take the last step (a restarting controller)
 
 
@@ -39,27 +33,14 @@ def select_device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def run(config_tree: dict | TrainConfig) -> int:
+def run_restart(config: TrainConfig, device: torch.device, backend: str) -> int:
+    """Restart mode: the default process group from the env, the `Trainer` to the end. A failure ends the
+    process (the launcher or the controller restarts the job, which resumes from the newest checkpoint).
+    Returns the exit code: 2 for a config or data that cannot run (said in one `error:` line by rank 0)."""
     from phalanx.data import DataError
     from phalanx.parallel import ParallelConfigError
     from phalanx.train.trainer import Trainer
 
-    config = config_tree if isinstance(config_tree, TrainConfig) else config_from_dict(config_tree)
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
-    device, backend = select_device()
-    if os.environ.get(protocol.RECOVERY) == protocol.CHECKPOINTLESS and os.environ.get(protocol.STORE_ADDR):
-        from phalanx.resilience.run import run_checkpointless
-
-        try:
-            return run_checkpointless(config, device, backend)
-        except (ConfigError, DataError, ParallelConfigError) as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            return 2
-    if config.resilience.recovery == protocol.CHECKPOINTLESS:
-        log.warning("resilience.recovery=checkpointless needs a Phalanx cluster (phalanx job submit); without "
-                    "one a failure ends the run and a restart resumes from the newest checkpoint")
     init_process_group(backend, timedelta(seconds=config.pg_timeout_s))
     try:
         trainer = Trainer(config, device)
@@ -126,74 +107,6 @@ def report_progress(trainer):
     return reporter
 
 
-def wait_as_standby() -> None:
-    """`--standby`: a warm spare's worker. Import what training needs now, then wait for the rank this
-    process must become (the controller writes its env to `protocol.standby_key`); adopt that env and its log
-    file, and return to run as that rank."""
-    import time
-
-    import phalanx.train.trainer  # noqa: F401
-    from phalanx.resilience.run import warm_up
-
-    started = time.perf_counter()
-    try:
-        warm_up(select_device()[0])
-    except Exception as err:  # noqa: BLE001 - a warm-up failure only costs speed
-        log.warning("standby warm-up failed (%s: %s); the first step after adoption will be slower",
-                    type(err).__name__, err)
-
-    token = os.environ.get(protocol.CLUSTER_TOKEN, "")
-    key = protocol.standby_key(os.environ[protocol.STANDBY_ID])
-    print(f"standby for {key}: warm (torch {torch.__version__}, warm-up {time.perf_counter() - started:.2f} s), "
-          "waiting", flush=True)
-    store = None
-    while True:
-        try:
-            store = store or protocol.connect_store(os.environ[protocol.STORE_ADDR], token, timedelta(seconds=10))
-            if store.check([key]):
-                raw = store.get(key)
-                store.delete_key(key)
-                try:  # signed by the controller for this standby; anyone reaching the store could write the key
-                    assignment = protocol.open_standby_assignment(token, os.environ[protocol.STANDBY_ID], raw)
-                    break
-                except ValueError as err:
-                    log.warning("ignored an assignment on %s (%s); still waiting", key, err)
-        except (RuntimeError, OSError):  # the controller restarts; its store comes back on the same port
-            store = None
-            time.sleep(0.5)
-        time.sleep(0.01)
-    os.environ.update(assignment["env"])
-    os.environ[protocol.ACTIVATED_AT] = repr(time.time())
-    log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    print(f"=== phalanx: warm standby activated as rank {os.environ[protocol.RANK]} ===", flush=True)
-
-
-def main() -> int:
-    if "--standby" in sys.argv[1:]:
-        wait_as_standby()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s")
-    old_factory = logging.getLogRecordFactory()
-    rank = os.environ.get("RANK", "?")
-
-    def factory(*args, **kwargs):
-        record = old_factory(*args, **kwargs)
-        record.rank = rank
-        return record
-
-    logging.setLogRecordFactory(factory)
-    try:
-        config = resolve_config(sys.argv[1:], os.environ)
-        return run(config)
-    except ConfigError as err:  # before the process group: every rank says it (they may log apart)
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-
-
 def resolve_config(argv: list[str], environ) -> TrainConfig:
     """The run's config, resolved as `phalanx train` resolves it (`load_config`): PHALANX_CONFIG names a YAML
     recipe or a JSON config (`phalanx train` and the control plane pass the resolved config.json), or, when it
@@ -213,14 +126,7 @@ def resolve_config(argv: list[str], environ) -> TrainConfig:
     return load_config(path, overrides + args)
 
 
-if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit as err:
-        code = 0 if err.code is None else err.code if isinstance(err.code, int) else 1
-    except BaseException:  # noqa: BLE001 - printed, then the process exits non-zero: an application error
-        import traceback
+if __name__ == "__main__":  # the name agents run (`protocol.TRAIN_WORKER_MODULE`): the entry is phalanx.worker
+    from phalanx.worker import entry
 
-        traceback.print_exc()
-        code = 1
-    exit_without_teardown(code)  # see phalanx.process: teardown can abort a finished run
+    entry()
