@@ -4,7 +4,8 @@ interpreter teardown.
 Teardown can destroy C++ objects of torch.distributed (gloo work threads, a process group kept alive by a
 module or a DTensor cache that held it, groups of earlier generations) whose destructors abort the process
 ("terminate called without an active exception"). A finished run would then exit with SIGABRT, and its
-launcher or the controller would take it for a crash. Standard library only.
+launcher or the controller would take it for a crash. Standard library only: knows nothing about training,
+recovery or the controller.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Plain PyTorch models (no torch.distributed): Llama-family dense decoders and Mixtral-style MoE."""
+"""Plain PyTorch models (no torch.distributed): Llama-family dense decoders and Mixtral-style MoE, and Hugging
+Face interop. Must not know: parallelism, data, the training loop, recovery or the controller."""
 
 from phalanx.models.config import PRESETS, ModelConfig, get_preset
 from phalanx.models.init import init_weights

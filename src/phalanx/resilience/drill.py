@@ -11,6 +11,9 @@ It can also be armed from the `PHALANX_DRILL` environment variable (JSON: `rank`
 nothing: the rank announces itself in its log (`=== phalanx drill: slow ... ===`) and sleeps there — a rank
 that is slow but alive, or a hold that lets `phalanx chaos` land an outside fault (a node killed, a health
 check failed, the controller restarted) exactly inside that moment.
+
+Knows the trainer only as "has `model.model.layers`, `optimizer`, `progress` and `callbacks`"; nothing about
+recovery, generations or the controller. Imports no training code (the CLI's chaos commands import it).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ exchange is still running waits for it — skipping would desynchronise the rank
 
 `SnapshotShelf` keeps the copies across generations (a survivor's snapshots outlive its process groups);
 `freeze()` at a fault stops a lingering exchange thread from changing what the shelf reported.
+
+Knows nothing about the controller, generations or what a state holds (`ShardState` does); of the trainer
+only its step.
 """
 
 from __future__ import annotations

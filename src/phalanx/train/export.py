@@ -5,7 +5,8 @@ Runs in one process without a process group: DCP reads every shard of the model 
 checked before anything is read; given a run dir, the newest checkpoint that verifies is exported (a corrupt
 newer one is skipped with a warning, as `phalanx train` does). The model's shapes come from the config the
 checkpoint recorded, else from the run's config (config.json next to the run, or `--config`). Every problem
-is a ConfigError / HFFormatError naming the path and the fix.
+is a ConfigError / HFFormatError naming the path and the fix. Knows nothing about processes, parallel
+layouts or recovery.
 """
 
 from __future__ import annotations

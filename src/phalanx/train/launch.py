@@ -5,6 +5,7 @@ vocabulary), so a bad config starts nothing. Workers get the usual torch variabl
 If one worker fails, the others are stopped and its exit code is returned. Exit code 2 is a worker refusing
 what it found (e.g. a checkpoint written for another model): every rank refuses alike and rank 0 prints the
 one-line reason, so the launcher lets them exit on their own (`REFUSAL_GRACE_S`) and adds nothing.
+Knows nothing about what a worker does inside (it runs `python -m phalanx.worker`), clusters or recovery.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ then a `resumed` event, then the steps of the next attempt. Given the wall-clock
 - steps lost: committed steps that had to be computed again (last step − resumed step);
 - first step after: kill → the first step the next attempt logged;
 - downtime: wall time lost vs a failure-free run: the time from the last step logged before the failure
-  to the moment training got past it again, minus the one normal step that would have taken anyway. It includes detection, restart, reloading and the redone steps.
+  to the moment training got past it again, minus the one normal step that would have taken anyway. It
+  includes detection, restart, reloading and the redone steps.
+
+Reads records only: knows nothing about torch, models, the training loop or the controller.
 """
 
 from __future__ import annotations
