@@ -92,10 +92,20 @@ class Injector:
             seen = self.steps_seen
             # checkpointless: the target, a survivor, announces itself once it has joined the next generation's
             # process group; restart: the next generation started (its processes are starting). Failing both,
-            # training went on after the fault (steps logged again): the regroup is over, inject anyway.
+            # training went on after the fault took effect (a later generation, steps logged again): the
+            # regroup is over, inject anyway. (Steps logged alone are not enough: the first fault reaches its
+            # worker through the agent's next heartbeat, and a fast job logs steps meanwhile.)
+            since: dict[str, int] = {}
+
+            def trained_on(i: dict) -> bool:  # two step records logged since a later generation appeared
+                if i["generation"] <= first:
+                    return False
+                self._logged(0)
+                return self.steps_seen > since.setdefault("seen", self.steps_seen) + 1
+
             self._wait(lambda i: announced() or (t.mode == "restart" and i["generation"] > first
-                                                 and i["state"] == "running")
-                       or (self._logged(0) and self.steps_seen > seen + 1), "the regroup after the first fault")
+                                                 and i["state"] == "running") or trained_on(i),
+                       "the regroup after the first fault")
             self.hit = "drill" if announced.seen else "timed" if self.steps_seen <= seen + 1 else "late"
         else:
             # without a drill: rank 0 logged the step before (the fault lands early in the step), or the step

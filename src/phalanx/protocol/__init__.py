@@ -80,5 +80,5 @@ from phalanx.protocol.keys import (generation_prefix, progress_key, alive_key, g
     pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, publish_generation, read_progress)
 from phalanx.protocol.store import (store_namespace, namespaced, serve_store, connect_store, env_rendezvous_store,
     standby_assignment, open_standby_assignment)
-from phalanx.protocol.progress import (BEAT_S, ProgressReporter, progress_reporter)
+from phalanx.protocol.progress import (BEAT_S, EXIT_FLUSH_S, ProgressReporter, progress_reporter)
 from phalanx.protocol.version import (PROTOCOL_VERSION, PROTOCOL_ENV, ProtocolMismatch, check_version)

@@ -21,6 +21,7 @@ from phalanx.protocol.store import connect_store
 from phalanx.protocol.version import PROTOCOL_ENV, check_version
 
 BEAT_S = 0.5  # how often a worker's reporter bumps its liveness counter
+EXIT_FLUSH_S = 5.0  # at most this long, at a worker's exit, for the store to take its last step (`flush`)
 log = logging.getLogger("phalanx.progress")
 
 

@@ -220,6 +220,8 @@ class CheckpointlessRun:
             self.snapshots.wait()
         trainer.finish()  # the final checkpoint is committed on every rank
         trainer.metrics.close()
+        if self.reporter is not None:  # the controller learns the last step before this process exits, even
+            self.reporter.flush(protocol.EXIT_FLUSH_S)  # when its store came back (a controller restart) only just now
         if dist.get_rank() == 0:
             try:
                 self.membership.report_finished(trainer.progress.step)

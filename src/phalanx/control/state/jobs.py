@@ -41,6 +41,9 @@ class FaultKind(str, Enum):
     STRANDED = "stranded"  # a collective broke with every process alive (checkpointless: regroup them)
     REGROUP_FAILED = "regroup-failed"  # in-place recoveries in a row that never restored
 
+    def __str__(self) -> str:
+        return self.value
+
 
 class Outcome(str, Enum):
     """How a generation ended (`Generation.outcome`)."""
@@ -53,6 +56,9 @@ class Outcome(str, Enum):
     PROCESS_FAULT = "process-fault"  # checkpointless: a worker died, its node is healthy
     STRANDED = "stranded"
     REGROUP_FAILED = "regroup-failed"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class JobState(str, Enum):
