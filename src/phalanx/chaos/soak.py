@@ -298,7 +298,7 @@ class Soak:
         ports = sorted({g["master_port"] for g in info["generations"] if g.get("master_port")})
         deadline = time.monotonic() + 15
         while True:  # a worker told to stop gets 3 s before SIGKILL; a standby is replaced in seconds
-            alive = {p: cmdline(p) for p in pids if process_running(p, "phalanx.train.worker")}
+            alive = {p: cmdline(p) for p in pids if (process_running(p, "phalanx.worker") or process_running(p, "phalanx.train.worker"))}
             try:
                 self.wait_ready(timeout_s=60)
                 found = inv.check_leaks(before, self.census(), alive, ports)

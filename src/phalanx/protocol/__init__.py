@@ -14,7 +14,7 @@ An agent starts each worker with the usual torch variables plus Phalanx's own:
     PHALANX_CLUSTER_TOKEN                            the cluster token (to talk to the controller; the
                                                      store's key namespace is derived from it)
     PHALANX_CONFIG                                   training jobs: the resolved config (JSON) that
-                                                     `python -m phalanx.train.worker` runs
+                                                     `python -m phalanx.worker` runs
     PHALANX_NODE                                     the node this worker runs on
     PHALANX_RECOVERY                                 restart | checkpointless (the job's recovery mode)
 
@@ -48,7 +48,7 @@ every worker. The controller publishes, for each generation it starts:
                                    when no worker or node fault explains it (a network error broke a
                                    collective, every process is alive), the controller regroups them
 
-Warm standby: an idle node's agent pre-starts `python -m phalanx.train.worker --standby` per slot (torch
+Warm standby: an idle node's agent pre-starts `python -m phalanx.worker --standby` per slot (torch
 imported, waiting) with a unique PHALANX_STANDBY_ID, and reports the ids in its heartbeats. It watches
 `standby/{id}`; when a generation gives that node's slot a rank, the controller writes there the seam env
 of that rank (and its log file) at the moment it starts the generation, so the standby starts without

@@ -29,7 +29,7 @@ NODE = "PHALANX_NODE"
 STANDBY_ID = "PHALANX_STANDBY_ID"
 RECOVERY = "PHALANX_RECOVERY"
 CHECKPOINTLESS = "checkpointless"
-TRAIN_WORKER_MODULE = "phalanx.train.worker"  # what a training job's agents run (`python -m`)
+TRAIN_WORKER_MODULE = "phalanx.worker"  # what a training job's agents run (`python -m`)
 ACTIVATED_AT = "PHALANX_ACTIVATED_AT"  # a warm standby's activation time (epoch seconds), for its recovery marks
 
 

@@ -1,4 +1,4 @@
-"""The agent's warm standby pool: per idle slot, a `python -m phalanx.train.worker --standby` process started
+"""The agent's warm standby pool: per idle slot, a `python -m phalanx.worker --standby` process started
 ahead of time (torch imported, waiting on `protocol.standby_key`), and its adoption as a rank once the
 controller assigns that slot (the controller writes the rank's env to the store, signed; the standby starts
 at once, the assignment names it, and the supervisor adopts the process).
@@ -25,7 +25,7 @@ log = logging.getLogger("phalanx.agent.workers")
 
 @dataclass
 class Standby:
-    """A warm worker process waiting to be told which rank to become (`python -m phalanx.train.worker
+    """A warm worker process waiting to be told which rank to become (`python -m phalanx.worker
     --standby`, torch imported). The controller tells it through the store; its agent adopts it."""
 
     id: str

@@ -91,7 +91,7 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, name TEXT NOT NULL, state TEXT NOT NULL,
-    kind TEXT NOT NULL,                       -- train (phalanx.train.worker + config) | command (any argv)
+    kind TEXT NOT NULL,                       -- train (phalanx.worker + config) | command (any argv)
     group_name TEXT NOT NULL, nodes_requested INTEGER NOT NULL, workers_per_node INTEGER NOT NULL,
     argv_json TEXT NOT NULL, cwd TEXT NOT NULL, env_json TEXT NOT NULL, config_json TEXT,
     job_dir TEXT NOT NULL, checkpoint_dir TEXT NOT NULL,
