@@ -35,8 +35,10 @@ from phalanx.control.policy.reconciler import Reconciler
 from phalanx.control.policy.scheduler import JobScheduler
 from phalanx.control.spec import spec_from_dict
 from phalanx.control.state.paths import ClusterPaths
-from phalanx.control.state.store import ClusterStatus, Node, NodeState, Store
+from phalanx.control.server.heartbeat import answer_heartbeat
+from phalanx.control.state.store import Node, NodeState, Store
 from phalanx.observability.events import EventKind as E
+from phalanx.protocol.messages import Heartbeat
 
 S = NodeState
 
@@ -517,7 +519,8 @@ class FakeCluster:
         return self
 
     def heartbeat(self, agent: FakeAgent) -> dict | None:
-        """POST /v1/nodes/{name}/heartbeat, as `server/api.py` handles it, and the agent's handling of the reply."""
+        """POST /v1/nodes/{name}/heartbeat: `server/api.py`'s refusals, then the same `answer_heartbeat`; and the
+        agent's handling of the reply."""
         agent.bring_up()
         agent.judge_hangs()
         body = agent.body()
@@ -527,20 +530,8 @@ class FakeCluster:
         if node is None or node.state == S.TERMINATED or (node.pid is not None and body["pid"] != node.pid):
             agent.handle_reply(None, body)
             return None
-        store.update_node(name, last_heartbeat=self.clock(), pid=body["pid"], health=body["health"],
-                          report={"phase": body["phase"], "lifecycle": body["lifecycle"],
-                                  "deep_check": body["deep_check"], "standbys": body["standbys"]})
-        self.jobs.ingest(node, body["workers"], body["reply_sent_at"])
-        status = store.cluster()["status"]
-        sent_at, workers, standby = self.jobs.assignments(store.node(name))
-        reply = {"sent_at": sent_at, "controller": self.started_at, "workers": [], "faults": []}
-        if node.state == S.REPLACING:
-            reply.update(action="terminate", reason=node.reason)
-        elif status in (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
-            reply.update(action="terminate", reason=f"cluster is {status}")
-        else:
-            reply.update(action="run", state=node.state.value, faults=store.take_directives(name), workers=workers,
-                         standby=standby, deep_check=self.deep.assignment(node))
+        reply = answer_heartbeat(store, self.jobs, self.deep, self.started_at, node, Heartbeat.model_validate(body),
+                                 self.clock())
         agent.handle_reply(reply, body)
         return reply
 

@@ -1,24 +1,18 @@
 """Controller side of the deep health check (the agent side, which runs the probes, is
-`phalanx.control.agent.deep_check`): a timed all_reduce across a new node and a healthy peer, run while the node is
-health-checking, failing it below a bus-bandwidth threshold (`health.deep_check_min_busbw_gbps`).
+`phalanx.control.agent.deep_check`): a timed all_reduce across a new node and a healthy peer, run while the
+node is health-checking, failing it below a bus-bandwidth threshold (`health.deep_check_min_busbw_gbps`).
 
-Two halves, both standard library only:
+`DeepCheckCoordinator` (called by the reconciler each tick) forms *rounds*: each node that passed its basic
+checks is paired with one healthy node of its group (a spare first, then a member without a job). A group with
+no healthy node yet — cluster creation — is checked as one round of all its nodes once every one of them is
+ready. A round gets its own id and MASTER_ADDR/PORT; heartbeat replies carry each node's part (`assignment`).
+When every node of the round reported, or `deep_check_timeout_s` passed, the candidates get a verdict: pass
+when every rank summed correctly and the slowest rank's bus bandwidth reached the threshold; otherwise fail
+with the figure. A round whose peer stopped being healthy meanwhile is dropped without a verdict and the
+candidates are paired again; so is a round one of whose candidates failed otherwise. Rounds live in memory:
+a restarted controller simply runs the check again for nodes still health-checking.
 
-  controller  `DeepCheckCoordinator` (called by the reconciler each tick) forms *rounds*: each node that
-              passed its basic checks is paired with one healthy node of its group (a spare first, then a
-              member without a job). A group with no healthy node yet — cluster creation — is checked as
-              one round of all its nodes once every one of them is ready. A round gets its own id and
-              MASTER_ADDR/PORT; heartbeat replies carry each node's part (`assignment`). When every node
-              of the round reported, or `deep_check_timeout_s` passed, the candidates get a verdict: pass
-              when every rank summed correctly and the slowest rank's bus bandwidth reached the threshold;
-              otherwise fail with the figure. A round whose peer stopped being healthy meanwhile is dropped
-              without a verdict and the candidates are paired again; so is a round one of whose candidates failed otherwise. Rounds live in memory: a restarted
-              controller simply runs the check again for nodes still health-checking.
-  agent       `DeepCheckRunner` starts `procs_per_node` probe processes (`deep_probe.py`: one per device
-              slot) for each new round, and reports the round's result in its heartbeats.
-
-Single-node groups run the probe across the node's own slots (intra-node bandwidth); a single process
-has no bandwidth to measure and passes with that said.
+Standard library only. Must not know: processes (the agents run the probes).
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from phalanx.control.state.jobs import JobState
-from phalanx.protocol import PROTOCOL_VERSION, ProtocolMismatch, check_version
-from phalanx.protocol.messages import Heartbeat, HeartbeatReply
+from phalanx.control.server.heartbeat import answer_heartbeat
+from phalanx.protocol import ProtocolMismatch, check_version
+from phalanx.protocol.messages import Heartbeat
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.state.store import ClusterStatus, NodeState, Store
 from phalanx.observability.events import EventKind as E
@@ -172,22 +173,7 @@ def build_app(ctl) -> FastAPI:
             raise HTTPException(410, f"node {name} is terminated ({node.reason})")
         if node.pid is not None and hb.pid != node.pid:
             raise HTTPException(410, f"node {name} is run by agent pid {node.pid}, not {hb.pid}")
-        store.update_node(name, last_heartbeat=time.time(), pid=hb.pid, health=hb.health,
-                          report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
-                                  "standbys": hb.standbys})
-        ctl.jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)
-        status = store.cluster()["status"]
-        sent_at, workers, standby = ctl.jobs.assignments(store.node(name))
-        reply = {"protocol": PROTOCOL_VERSION, "sent_at": sent_at, "controller": ctl.started_at, "workers": [],
-                 "faults": []}
-        if node.state == S.REPLACING:
-            reply.update(action="terminate", reason=node.reason)
-        elif status in (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
-            reply.update(action="terminate", reason=f"cluster is {status}")
-        else:
-            reply.update(action="run", state=node.state.value, faults=store.take_directives(name), workers=workers,
-                         standby=standby, deep_check=ctl.deep_checks.assignment(node))
-        return HeartbeatReply.model_validate(reply).model_dump(exclude_unset=True)
+        return answer_heartbeat(store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time())
 
     @app.post("/v1/nodes/{name}/faults", status_code=202)
     def inject_fault(name: str, req: FaultRequest) -> dict:

@@ -1,0 +1,36 @@
+"""Answering one agent heartbeat: record what the node reports (its phase, health, workers), then build the
+reply (what the node must run, or that it must terminate). The HTTP handler (`api.py`) refuses first what
+it must (another protocol version, a terminated node, another agent's pid) and calls this; the policy
+tests' fake agents call it too, so they exercise the same handling.
+
+Must not know: HTTP, processes.
+"""
+
+from __future__ import annotations
+
+from phalanx.control.state.store import ClusterStatus, Node, NodeState, Store
+from phalanx.protocol import PROTOCOL_VERSION
+from phalanx.protocol.messages import Heartbeat, HeartbeatReply
+
+ENDED = (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value)
+
+
+def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node: Node, hb: Heartbeat,
+                     now: float) -> dict:
+    """The reply to `hb` from `node` (already checked to be its agent's), as sent on the wire."""
+    store.update_node(node.name, last_heartbeat=now, pid=hb.pid, health=hb.health,
+                      report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
+                              "standbys": hb.standbys})
+    jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)
+    status = store.cluster()["status"]
+    sent_at, workers, standby = jobs.assignments(store.node(node.name))
+    reply = {"protocol": PROTOCOL_VERSION, "sent_at": sent_at, "controller": controller_id, "workers": [],
+             "faults": []}
+    if node.state == NodeState.REPLACING:
+        reply.update(action="terminate", reason=node.reason)
+    elif status in ENDED:
+        reply.update(action="terminate", reason=f"cluster is {status}")
+    else:
+        reply.update(action="run", state=node.state.value, faults=store.take_directives(node.name),
+                     workers=workers, standby=standby, deep_check=deep_checks.assignment(node))
+    return HeartbeatReply.model_validate(reply).model_dump(exclude_unset=True)
