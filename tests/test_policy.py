@@ -380,6 +380,30 @@ def test_a_job_runs_one_generation_on_healthy_members_and_succeeds_when_every_ra
     assert c.node("workers-0").job is None
 
 
+def test_a_job_whose_last_step_reached_the_store_just_before_its_workers_exited_records_that_step(make,
+                                                                                                    monkeypatch):
+    """Workers flush their last step to the store before exiting, yet the reconciler may tick between the
+    heartbeat that reports the exits and the progress read that follows it: the success must still carry the
+    last step, not the one before."""
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2)
+    ws = running(c, job.id, 1)
+    for rank in (0, 1):
+        c.report_step(job.id, 1, rank, 39)
+    c.step()
+    assert c.job(job.id).last_step == 39
+    for rank in (0, 1):
+        c.report_step(job.id, 1, rank, 40)  # flushed at exit
+    for agent, w in ws.values():
+        agent.exit_worker(w, 0)
+    with monkeypatch.context() as m:  # the tick wins the race: no heartbeat reads progress after the exits
+        m.setattr(c.jobs, "assignments", lambda node: (c.clock(), [], 0))
+        for agent, _w in ws.values():
+            c.heartbeat(agent)
+    c.reconciler.tick()
+    assert c.job(job.id).state == J.SUCCEEDED and c.job(job.id).last_step == 40
+
+
 def test_a_job_waits_for_free_healthy_nodes(make):
     c = make(count=2, spares=1).create()
     first = c.submit(nodes=2)
@@ -622,6 +646,20 @@ def test_a_checkpointless_worker_killed_is_a_process_fault_recovered_in_place_on
     assert gen2[0][1] is gen1[0][1] and gen2[0][1].carried_from == [1, 0], "the survivor carried"
     assert gen2[1][1].pid != gen1[1][1].pid and gen2[1][1].carried_from is None, "the killed rank starts fresh"
     assert c.job(job.id).retries == 0 and not [e for e in c.events() if e["to_state"] == "faulty"]
+
+
+def test_a_checkpointless_worker_that_gave_up_a_generation_it_was_stuck_in_is_replaced_in_place(make):
+    """EXIT_STUCK: the worker's main thread stayed blocked in the old generation's group creation after a newer
+    one appeared, so it exited; a fresh process takes its rank, the survivors keep theirs, no retry is used."""
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    ws = running(c, job.id, 1)
+    ws[1][0].exit_worker(ws[1][1], protocol.EXIT_STUCK)
+    gen2 = running(c, job.id, 2)
+    g1, _g2 = c.generations(job.id)
+    assert g1.outcome == "process-fault" and "stuck in a generation's process-group creation" in g1.end_reason
+    assert gen2[0][1] is ws[0][1] and gen2[1][1].pid != ws[1][1].pid and gen2[1][1].carried_from is None
+    assert c.job(job.id).retries == 0
 
 
 def test_a_checkpointless_second_node_lost_while_regrouping_recovers_in_place_again(make):

@@ -2,6 +2,8 @@
 
 - a process-group rendezvous whose peer never comes is abandoned as soon as a newer generation is published
   (and bounded otherwise), instead of blocking for the process-group timeout;
+- a rank blocked where no store wait can notice (gloo connecting to a peer that died while the groups formed)
+  gives up its generation soon after a newer one appears, and the controller hands its rank to a fresh process;
 - exactly one process holds a rank in a generation;
 - a generation that failed half-way through building its groups leaves no stale group counter behind;
 - a fault during the recovery from another keeps the step of the state the rank holds (no negative steps);
@@ -122,6 +124,92 @@ def test_a_generation_forms_its_groups_through_membership_when_everyone_comes():
                               stderr=subprocess.PIPE, text=True, env=env) for node in ("n0", "n1")]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [json.loads(o or "{}") for o, _ in outs] == [{"sum": [2.0, 2.0]}] * 2, [e[-2000:] for _, e in outs]
+
+
+# ---- a rank stuck where it cannot notice ------------------------------------------------------------------------
+STUCK_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from phalanx.resilience.membership import Membership
+
+    port, formed = int(sys.argv[1]), sys.argv[2] == "formed"
+    m = Membership(f"127.0.0.1:{port}", "7", "n1", 0, token="tok", stuck_grace_s=1.0)
+    m.forming(1)
+    if formed:
+        m.watch(1)  # generation 1 formed and trains: a newer generation is news for the loop, not a reason to exit
+    print("waiting", flush=True)
+    time.sleep(8)  # stands for a C++ wait that releases the GIL and never returns in time (gloo's connect)
+    print("superseded" if m.superseded.is_set() else "not superseded", flush=True)
+""")
+
+
+@pytest.mark.parametrize("formed", [False, True], ids=["forming", "formed"])
+def test_a_rank_stuck_forming_a_generation_exits_once_a_newer_one_appears(formed):
+    port = _free_port()
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    protocol.publish_generation(server, "7", 1, ["n0", "n1"], 1)
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_SCRIPT, str(port), "formed" if formed else "forming"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
+    assert proc.stdout.readline() == "waiting\n"
+    protocol.publish_generation(server, "7", 2, ["n0", "n1"], 1)
+    out, err = proc.communicate(timeout=60)
+    if formed:
+        assert proc.returncode == 0 and out == "superseded\n", err[-2000:]
+    else:
+        assert proc.returncode == protocol.EXIT_STUCK and out == "", (proc.returncode, out, err[-2000:])
+        assert "still forming generation 1" in err and "line 11, in <module>" in err, err[-2000:]  # the sleep
+
+
+DYING_PEER_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys
+    import torch.distributed as dist
+    from phalanx.resilience import membership as M
+    from phalanx.process import exit_without_teardown
+
+    port, node, dies = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "dies"
+    armed = []
+
+    class DiesAfterItsAddress(M.RegroupStore):  # dies after writing its address for the next group
+        def set(self, key, value):
+            super().set(key, value)
+            if armed:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if dies:
+        M.RegroupStore = DiesAfterItsAddress
+    m = M.Membership(f"127.0.0.1:{port}", "7", node, 0, token="tok", stuck_grace_s=2.0)
+    m.forming(1)
+    p = m.placement(1)
+    m.arrive(p, 60)
+    m.init_process_group(p, "gloo", 600, 60)
+    armed.append(True)
+    try:
+        dist.new_group([0, 1, 2])  # a device mesh's group, formed after the default one
+        dist.barrier()
+        print(json.dumps({"result": "formed"}), flush=True)
+    except Exception as err:  # the peer's death broke the group: a rank that notices leaves the generation
+        print(json.dumps({"result": "left", "error": str(err)[:200]}), flush=True)
+    exit_without_teardown(0)
+""")
+
+
+def test_a_peer_dying_while_the_groups_form_leaves_nobody_blocked():
+    """Rank 1 dies between writing its address and connecting to its peers: a peer waiting for that connection
+    blocks in gloo's C++ connect (the group's timeout: 30 minutes), past any store wait. Once the controller
+    publishes the next generation, every rank has either left (an error it could see) or exited EXIT_STUCK."""
+    port = _free_port()
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    protocol.publish_generation(server, "7", 1, ["n0", "n1", "n2"], 1)
+    env = {"GLOO_SOCKET_IFNAME": "lo", "PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    procs = [subprocess.Popen([sys.executable, "-c", DYING_PEER_SCRIPT, str(port), node, "dies" if node == "n1" else ""],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for node in ("n0", "n1", "n2")]
+    assert procs[1].wait(timeout=60) == -9
+    protocol.publish_generation(server, "7", 2, ["n0", "n3", "n2"], 1)  # the controller saw rank 1's node die
+    ends = [(p.wait(timeout=40), p.stdout.read(), p.stderr.read()) for p in (procs[0], procs[2])]
+    for code, out, err in ends:
+        assert (code == 0 and json.loads(out)["result"] == "left") or code == protocol.EXIT_STUCK, \
+            (code, out, err[-1500:])
 
 
 # ---- one process per rank ---------------------------------------------------------------------------------------

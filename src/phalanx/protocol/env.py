@@ -31,6 +31,11 @@ RECOVERY = "PHALANX_RECOVERY"
 CHECKPOINTLESS = "checkpointless"
 TRAIN_WORKER_MODULE = "phalanx.worker"  # what a training job's agents run (`python -m`)
 ACTIVATED_AT = "PHALANX_ACTIVATED_AT"  # a warm standby's activation time (epoch seconds), for its recovery marks
+# A checkpointless worker's exit code when it gave up on a generation it could not leave: a newer one was
+# published, yet its main thread stayed blocked in the old one's group creation (gloo connecting to a peer that
+# died after writing its address: a C++ wait no Python code can interrupt). Like a killed process, a fault the
+# peers recover from in place: a fresh process takes the rank.
+EXIT_STUCK = 75
 
 
 def rank_of(nodes: list[str], node: str, local_rank: int, workers_per_node: int) -> int:

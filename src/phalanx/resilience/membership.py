@@ -12,6 +12,13 @@ newer generation published meanwhile interrupts the wait. `watch()` runs a threa
 generation while this one trains (a node failed a health check, its workers still alive): the training
 loop checks `superseded` between steps.
 
+The same thread guards the forming of a generation (`forming()` … `watch()`): every store wait there gives
+way to a newer generation, but not every wait is a store wait. Gloo connecting to a peer that died after
+writing its address blocks in C++ for the group's timeout (minutes); the peers, gone on to the next
+generation, would wait for this rank in vain. A rank still forming its generation `stuck_grace_s` after a
+newer one appeared logs where it is stuck and exits with `protocol.EXIT_STUCK`: the controller gives its rank
+to a fresh process, as for a killed one.
+
 Knows nothing about models or training state.
 """
 
@@ -21,8 +28,10 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +42,7 @@ from phalanx.resilience.regroup_store import RegroupStore
 
 log = logging.getLogger("phalanx.membership")
 POLL_S = 0.01
+STUCK_GRACE_S = 10.0  # forming a generation this long after a newer one appeared: blocked where it cannot notice
 
 
 class Superseded(RuntimeError):
@@ -61,7 +71,7 @@ class Placement:
 
 class Membership:
     def __init__(self, store_addr: str, job_id: str, node: str, local_rank: int, *, timeout_s: float = 30.0,
-                 token: str | None = None):
+                 token: str | None = None, stuck_grace_s: float = STUCK_GRACE_S):
         self.host, self.port = protocol.parse_store_addr(store_addr)
         self.store_addr, self.token = store_addr, token
         self.job_id, self.node, self.local_rank = job_id, node, local_rank
@@ -71,7 +81,11 @@ class Membership:
         self.left_untold: int | None = None  # a generation this rank left while the store was unreachable
         self.regroup_store: RegroupStore | None = None  # the current generation's (see init_process_group)
         self.identity = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"  # claims ranks (`arrive`)
-        self._watching: int | None = None
+        self.stuck_grace_s = stuck_grace_s
+        self._thread: threading.Thread | None = None  # watches generations (started by `forming` or `watch`)
+        self._watching = -1  # the generation this rank trains in (-1: none)
+        self._forming: int | None = None  # the generation this rank is forming (joining, restoring), if any
+        self._newer_since: float | None = None  # when a generation newer than the forming one was first seen
         self._watch_lock = threading.Lock()
 
     @classmethod
@@ -175,21 +189,32 @@ class Membership:
     def report_recovered(self, generation: int, summary: dict) -> None:
         self.store.set(protocol.recovered_key(self.job_id, generation), json.dumps(summary))
 
-    # ---- watching while training --------------------------------------------------------------------------
+    # ---- watching while forming and training ---------------------------------------------------------------
+    def forming(self, generation: int) -> None:
+        """This rank starts forming `generation`: from here until `watch()` (trained) or `unwatch()` (left),
+        a newer generation must make it leave within `stuck_grace_s`, or the process exits (EXIT_STUCK)."""
+        with self._watch_lock:
+            self._forming, self._newer_since = generation, None
+        self._start_thread()
+
     def watch(self, generation: int) -> None:
-        """Set `superseded` as soon as a generation newer than `generation` is published."""
+        """`generation` formed and trains: set `superseded` as soon as a newer generation is published."""
         self.superseded.clear()
         with self._watch_lock:
-            first = self._watching is None
-            self._watching = generation
-        if first:
-            threading.Thread(target=self._watch_loop, name="phalanx-generation-watch", daemon=True).start()
+            self._watching, self._forming = generation, None
+        self._start_thread()
 
     def unwatch(self) -> None:
         """This rank left its generation: nothing trains, so a newer generation is expected, not news."""
         with self._watch_lock:
-            if self._watching is not None:
-                self._watching = -1
+            self._forming, self._watching = None, -1
+
+    def _start_thread(self) -> None:
+        with self._watch_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch_loop, name="phalanx-generation-watch",
+                                                daemon=True)
+                self._thread.start()
 
     def _watch_loop(self) -> None:
         store = None
@@ -203,8 +228,29 @@ class Membership:
                 continue
             with self._watch_lock:
                 current = self._watching
-            if current is not None and current >= 0 and newest > current and not self.superseded.is_set():
+                self._check_forming(newest)
+            if current >= 0 and newest > current and not self.superseded.is_set():
                 log.warning("generation %d published while generation %d trains; next: leave it at the next step "
                             "boundary and regroup", newest, current)
                 self.superseded.set()
             time.sleep(0.05)
+
+    def _check_forming(self, newest: int) -> None:
+        """(Under the lock, so the main thread cannot finish forming in between.) Exit if this rank has been
+        forming an older generation for `stuck_grace_s` since a newer one was published."""
+        if self._forming is None or newest <= self._forming:
+            self._newer_since = None
+            return
+        now = time.monotonic()
+        self._newer_since = self._newer_since or now
+        if now - self._newer_since < self.stuck_grace_s:
+            return
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(unknown)\n"
+        log.error("still forming generation %d %.0f s after generation %d was published: the main thread is "
+                  "blocked where it cannot notice (a peer that died while the groups formed?), at:\n%s"
+                  "next: exit with code %d (the controller gives this rank to a fresh process)",
+                  self._forming, now - self._newer_since, newest, where, protocol.EXIT_STUCK)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(protocol.EXIT_STUCK)

@@ -187,6 +187,7 @@ class CheckpointlessRun:
         from phalanx.train.trainer import Trainer
 
         marks = self.marks
+        self.membership.forming(generation)  # until `watch` below: a newer generation makes this rank leave
         placement = self.membership.placement(generation)
         self.membership.arrive(placement, self.settings.regroup_timeout_s)
         if self.reporter is not None:  # from here on a freeze is seen: the beat stops under this generation's keys

@@ -99,9 +99,11 @@ class InPlaceRecovery:
     # ---- faults ------------------------------------------------------------------------------------------
     @staticmethod
     def recoverable(fault: dict) -> bool:
-        """A node's fault, a process killed by a signal, or a broken collective: the peers' state is intact.
-        A worker that exited with an error code (a bug, a bad batch) or a stall is the application's."""
-        killed = fault["kind"] == FaultKind.EXIT and (fault.get("code") or 0) < 0
+        """A node's fault, a process killed by a signal (or one that gave up on a generation it was stuck in,
+        `protocol.EXIT_STUCK`), or a broken collective: the peers' state is intact. A worker that exited with
+        another error code (a bug, a bad batch) or a stall is the application's."""
+        code = fault.get("code") or 0
+        killed = fault["kind"] == FaultKind.EXIT and (code < 0 or code == protocol.EXIT_STUCK)
         return fault["kind"] in (*NODE_FAULTS, FaultKind.STRANDED) or killed
 
     def stranded(self, job: Job, gen: Generation, now: float) -> list[dict]:

@@ -88,8 +88,12 @@ class JobScheduler(Admission, Assignments):
 
     def _check_running(self, job: Job, gen: Generation, now: float, mark_faulty) -> None:
         rows = self.records.workers(job=job.id, generation=gen.generation)
+        done = len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows)
+        if done:  # the last steps reached the store before each worker exited; maybe after any heartbeat read them
+            self._progress(job, gen, [w.rank for w in rows])
+            rows = self.records.workers(job=job.id, generation=gen.generation)
         self._track_progress(job, gen, rows, now)
-        if len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows):
+        if done:
             done = f"all {job.world_size} ranks exited 0"
             self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome=Outcome.SUCCEEDED,
                                            end_reason=done)
