@@ -204,9 +204,13 @@ def test_a_peer_dying_while_the_groups_form_leaves_nobody_blocked():
     procs = [subprocess.Popen([sys.executable, "-c", DYING_PEER_SCRIPT, str(port), node, "dies" if node == "n1" else ""],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for node in ("n0", "n1", "n2")]
-    assert procs[1].wait(timeout=60) == -9
-    protocol.publish_generation(server, "7", 2, ["n0", "n3", "n2"], 1)  # the controller saw rank 1's node die
-    ends = [(p.wait(timeout=40), p.stdout.read(), p.stderr.read()) for p in (procs[0], procs[2])]
+    try:
+        assert procs[1].wait(timeout=60) == -9
+        protocol.publish_generation(server, "7", 2, ["n0", "n3", "n2"], 1)  # the controller saw rank 1's node die
+        ends = [(p.wait(timeout=40), p.stdout.read(), p.stderr.read()) for p in (procs[0], procs[2])]
+    finally:
+        for p in procs:  # a rank still blocked (the failure this test is about) must not outlive it
+            p.kill()
     for code, out, err in ends:
         assert (code == 0 and json.loads(out)["result"] == "left") or code == protocol.EXIT_STUCK, \
             (code, out, err[-1500:])
