@@ -218,3 +218,19 @@ def test_model_config_rope_errors_name_field_and_fix():
     # Context length stays resumable: the llama3/yarn math reads rope_original_max_seq_len, never max_seq_len.
     cfg = PRESETS["llama3.1-8b"]
     assert torch.equal(rope_inv_freq(cfg)[0], rope_inv_freq(cfg.with_overrides(max_seq_len=8192))[0])
+
+
+def test_recipes_lay_out_for_2x8_and_8x8_gpus():
+    from pathlib import Path
+
+    from phalanx.train.config import load_config
+    from phalanx.train.trainer import parallel_dims, resolve_model_config
+
+    recipes = Path(__file__).parent.parent / "recipes"
+    for name, world, layout, accum in (("llama3.1-8b", 16, (2, 8), 8), ("llama3.1-70b", 64, (1, 64), 4)):
+        config = load_config(recipes / f"{name}.yaml")
+        model = resolve_model_config(config)
+        assert model == PRESETS[name]
+        dims = parallel_dims(config, world, model)
+        assert (dims.dp_replicate, dims.dp_shard) == layout
+        assert config.grad_accum_steps(dims.dp_size) == accum
