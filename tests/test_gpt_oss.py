@@ -328,3 +328,54 @@ def test_routing_softmaxes_the_top_k_biased_logits():
     assert torch.allclose(probs, F.softmax(logits, dim=-1))
     without_bias = torch.topk(x @ moe.router.weight.T, 2, dim=-1).indices
     assert not torch.equal(without_bias, top_idx)  # the bias moves the routing at this scale
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_continual_pretraining_from_the_mxfp4_layout_with_ep2_then_export(tmp_path, demo_data):
+    """hf_path at a checkpoint in the published layout (MXFP4 experts): 2 ranks with ep 2 each dequantize only their
+    experts; step 1's loss equals transformers' (dequantize=True) on the same batch; `phalanx export-hf` writes a
+    checkpoint transformers loads, with logits equal to ours."""
+    from typer.testing import CliRunner
+
+    from conftest import run_training, tiny_config
+    from phalanx.cli import app
+    from phalanx.data import GlobalBatchSampler, TokenDataset
+
+    torch.manual_seed(0)
+    kwargs = {**HF_KWARGS, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64}
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.GptOssConfig(**kwargs), attn_implementation="eager", experts_implementation="eager").eval()
+    _perturb(hf_model, seed=9)
+    _write_mxfp4_checkpoint(hf_model, tmp_path / "published")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "published", quantization_config=transformers.Mxfp4Config(dequantize=True),
+        attn_implementation="eager", experts_implementation="eager", dtype=torch.float32).eval()
+
+    cfg = tiny_config(tmp_path / "cpt", demo_data, training={"max_steps": 2}, parallel={"expert_parallel_degree": 2},
+                      model={"preset": None, "hf_path": str(tmp_path / "published"),
+                             "overrides": {"router_aux_loss_coef": 0.0}})
+    steps = run_training(cfg, nproc=2)
+    dataset = TokenDataset(demo_data)
+    batch = dataset.get_batch(GlobalBatchSampler(len(dataset), 8, seed=cfg.seed, dp_rank=0, dp_size=1).global_batch(0))
+    with torch.no_grad():
+        expected = reference(batch, labels=batch).loss.item()
+    print(f"\n[gpt-oss] MXFP4 checkpoint, 2 ranks ep 2: |step-1 loss - transformers' loss| = "
+          f"{abs(steps[0]['loss'] - expected):.2e}")
+    assert abs(steps[0]["loss"] - expected) <= 1e-5, (steps[0]["loss"], expected)
+
+    result = CliRunner().invoke(app, ["export-hf", str(tmp_path / "cpt"), str(tmp_path / "exported")])
+    assert result.exit_code == 0, result.output
+    assert "quantization_config" not in json.loads((tmp_path / "exported" / "config.json").read_text())
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "exported", attn_implementation="eager", experts_implementation="eager", dtype=torch.float32,
+        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ours = load_hf_model(tmp_path / "exported").eval()
+    with torch.no_grad():
+        diff = _max_diff(exported.eval()(batch).logits, ours(batch))
+        _report("exported after training -> HF", diff)
+        assert diff <= TOL
+        assert exported(batch, labels=batch).loss.item() < expected  # two steps of training moved the weights
