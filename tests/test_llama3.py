@@ -234,3 +234,15 @@ def test_recipes_lay_out_for_2x8_and_8x8_gpus():
         dims = parallel_dims(config, world, model)
         assert (dims.dp_replicate, dims.dp_shard) == layout
         assert config.grad_accum_steps(dims.dp_size) == accum
+
+
+def test_yarn_mscale_pair_becomes_the_attention_factor_transformers_uses():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+            "original_max_position_embeddings": 64}
+    hf = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 1024}, rope_parameters=dict(rope))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = config_from_hf({"model_type": "llama", **COMMON, "max_position_embeddings": 1024, "rope_parameters": rope})
+    assert cfg.rope_attention_factor == pytest.approx(factor, rel=1e-12) and factor != pytest.approx(1.2773, rel=1e-3)
+    assert torch.equal(rope_inv_freq(cfg)[0], inv_freq)

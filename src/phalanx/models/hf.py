@@ -200,8 +200,10 @@ class HFCheckpoint:
         """Our [E, in, out] expert weight stored as MXFP4 blocks [E, out, in / 32, 16] and scales [E, out, in / 32]."""
         blocks, scales = f"{name}_blocks", f"{name}_scales"
         if len(shape) != 3 or shape[1] % BLOCK_VALUES:
-            raise HFFormatError(f"checkpoint tensor {blocks!r} is MXFP4, which Phalanx reads only for stacked expert "
-                                f"weights with an input width divisible by {BLOCK_VALUES}; {name!r} has shape {list(shape)}")
+            raise HFFormatError(
+                f"checkpoint tensor {blocks!r} is MXFP4, which Phalanx reads only for stacked expert weights with an "
+                f"input width divisible by {BLOCK_VALUES}; {name!r} has shape {list(shape)}"
+            )
         groups = shape[1] // BLOCK_VALUES
         want = {blocks: (shape[0], shape[2], groups, BLOCK_VALUES // 2), scales: (shape[0], shape[2], groups)}
         for key, want_shape in want.items():

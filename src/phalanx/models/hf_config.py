@@ -80,7 +80,8 @@ def _rope_fields(hf_config: dict, model_type: str, max_positions: int) -> dict:
                 return 0.1 * m * math.log(out["rope_factor"]) + 1.0 if out["rope_factor"] > 1 else 1.0
 
             attention_factor = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
-        out.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+        out.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                   rope_beta_slow=float(rope.get("beta_slow") or 1.0),
                    rope_truncate=bool(rope.get("truncate", True)), rope_original_max_seq_len=int(original),
                    rope_attention_factor=None if attention_factor is None else float(attention_factor))
     return out
@@ -145,7 +146,9 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
             if hf_config.get(key):
                 raise HFFormatError(f"config.json {key}={hf_config[key]!r}: Phalanx models have no bias in {fix}")
         if get("hidden_act", "silu") != "silu":
-            raise HFFormatError(f"config.json hidden_act={hf_config['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+            raise HFFormatError(
+                f"config.json hidden_act={hf_config['hidden_act']!r}: only 'silu' (SwiGLU) is supported"
+            )
 
     dim, n_heads = required("hidden_size"), required("num_attention_heads")
     head_dim = hf_config.get("head_dim")

@@ -56,7 +56,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=bias)
-        self.register_parameter("sinks", nn.Parameter(torch.empty(self.n_heads)) if config.has_attention_sinks else None)
+        sinks = nn.Parameter(torch.empty(self.n_heads)) if config.has_attention_sinks else None
+        self.register_parameter("sinks", sinks)  # GPT-OSS: one learned logit per head
 
     def forward(self, x, cos, sin, mask):
         bsz, seq_len, _ = x.shape
