@@ -19,7 +19,7 @@ def model_config(preset: str, **overrides):
 
 
 def run_layouts(cases: list[dict], tokens: torch.Tensor, seed: int) -> dict:
-    """On every rank: for each case {name, preset, overrides, degrees}, build on meta, `parallelize` it as the
+    """On every rank: for each case {name, preset, overrides, degrees, ac}, build on meta, `parallelize` it as the
     trainer does, materialise, run this rank's slice of `tokens`, backward. Rank 0's return value holds, per case:
     loss and aux (means over ranks = the global micro-batch's), full gradients, full initial parameters, the
     local shape of each parameter, the global MoE load and the clipped-grad norm."""
@@ -39,7 +39,7 @@ def run_layouts(cases: list[dict], tokens: torch.Tensor, seed: int) -> dict:
         with torch.device("meta"):
             model = Transformer(config)
         mesh = build_mesh(dims, "cpu")
-        parallelize(model, mesh, precision="fp32")
+        parallelize(model, mesh, precision="fp32", ac_mode=case.get("ac", "none"))
         materialize(model, "cpu", random_init_source(model, seed))
         params = {canonical_name(n): p.full_tensor() for n, p in model.named_parameters()}
         local_shapes = {canonical_name(n): tuple(p.to_local().shape) for n, p in model.named_parameters()}

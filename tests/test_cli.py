@@ -77,7 +77,8 @@ def test_every_recipe_validates():
     from phalanx.train.trainer import resolve_model_config
 
     recipes = sorted(Path(__file__).parent.parent.joinpath("recipes").glob("*.yaml"))
-    assert {p.stem for p in recipes} >= {"tiny-llama", "tiny-mixtral", "mathstral-7b", "mixtral-8x7b", "llama2-7b"}
+    assert {p.stem for p in recipes} >= {"tiny-llama", "tiny-mixtral", "mathstral-7b", "mixtral-8x7b", "llama2-7b",
+                                         "llama3.1-8b", "llama3.1-70b", "gpt-oss-20b", "tiny-gpt-oss"}
     for path in recipes:
         cfg = load_config(path)
         if cfg.model.hf_path is None:

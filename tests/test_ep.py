@@ -33,6 +33,8 @@ SEED = 3
         (dict(world_size=4, ep=2, tp=2), dict(n_experts=8), ["expert_parallel_degree=2", "tensor_parallel_degree=2",
                                                              "not supported"]),
         (dict(world_size=4, ep=2), dict(n_experts=0), ["expert_parallel_degree=2", "n_experts=0"]),
+        (dict(world_size=4, tp=2), dict(n_experts=8, attention_sinks=True),
+         ["tensor_parallel_degree=2", "attention sinks", "tensor_parallel_degree=1"]),
     ],
 )
 def test_ep_degree_errors_name_field_value_and_valid_values(degrees, model, words):
@@ -50,6 +52,15 @@ def test_recipes_carry_a_valid_expert_parallel_layout():
     dims = parallel_dims(mixtral, 16, resolve_model_config(mixtral))  # 2 nodes × 8 GPUs
     assert (dims.dp_replicate, dims.dp_shard, dims.ep) == (1, 16, 8)
     assert mixtral.grad_accum_steps(dims.dp_size) == 8
+    gpt_oss = load_config(RECIPES / "gpt-oss-20b.yaml")
+    dims = parallel_dims(gpt_oss, 8, resolve_model_config(gpt_oss))  # 1 node × 8 GPUs
+    assert (dims.dp_shard, dims.ep) == (8, 8) and gpt_oss.grad_accum_steps(dims.dp_size) == 8
+    tiny_gpt_oss = load_config(RECIPES / "tiny-gpt-oss.yaml")
+    assert parallel_dims(tiny_gpt_oss, 4, resolve_model_config(tiny_gpt_oss)).ep == 2
+    with pytest.raises(ParallelConfigError, match="attention sinks"):
+        tp = load_config(RECIPES / "gpt-oss-20b.yaml", ["parallel.expert_parallel_degree=1", "parallel.dp_shard=1",
+                                                        "parallel.tensor_parallel_degree=8"])
+        parallel_dims(tp, 8, resolve_model_config(tp))
     one_node = load_config(RECIPES / "mixtral-8x7b.yaml", ["parallel.dp_shard=4"])
     with pytest.raises(ParallelConfigError, match="expert_parallel_degree=8 does not divide"):
         parallel_dims(one_node, 4, resolve_model_config(one_node))
@@ -157,6 +168,48 @@ def test_experts_are_split_over_ep_and_sharded_over_the_rest(four_ranks, name, e
         assert torch.equal(value, ref["params"][n]), n
 
 
+# GPT-OSS's MoE (biased router, clamped SwiGLU experts with biases) and sink attention under the same layouts;
+# full activation checkpointing on two of them (the recomputed forward dispatches again).
+GPT_OSS_CASES = [
+    {"name": "fsdp4", "preset": "tiny-gpt-oss", "degrees": {}},
+    {"name": "ep2-ac", "preset": "tiny-gpt-oss", "degrees": {"ep": 2}, "ac": "full"},
+    {"name": "ep4", "preset": "tiny-gpt-oss", "degrees": {"ep": 4}},
+    {"name": "hsdp2x2-ep2-ac", "preset": "tiny-gpt-oss", "degrees": {"dp_replicate": 2, "ep": 2}, "ac": "full"},
+]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_four_ranks(tmp_path_factory):
+    tokens = global_batch()
+    results = run_distributed(run_layouts, 4, tmp_path_factory.mktemp("ep-gpt-oss"), GPT_OSS_CASES, tokens, SEED)[0]
+    return results, reference("tiny-gpt-oss", tokens, SEED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [case["name"] for case in GPT_OSS_CASES])
+def test_gpt_oss_fsdp_ep_and_checkpointing_equal_the_single_process_model(gpt_oss_four_ranks, name):
+    results, ref = gpt_oss_four_ranks
+    got = results[name]
+    assert abs(got["loss"] - ref["loss"]) <= 1e-5, (got["loss"], ref["loss"])
+    assert abs(got["aux"] - ref["aux"]) <= 1e-6
+    assert max_grad_diff(got["grads"], ref["grads"]) <= 1e-5
+    assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-5
+    assert got["load"]["tokens_per_expert"] == ref["load"]["tokens_per_expert"]
+    assert sum(got["load"]["tokens_per_expert"]) == 8 * 32 * 2 * 2  # tokens × top-2 × 2 layers
+    for n, value in got["params"].items():
+        assert torch.equal(value, ref["params"][n]), n
+    # every GPT-OSS-only parameter took part: sinks, router bias and expert biases have gradients
+    for n in ("self_attn.sinks", "mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"):
+        assert got["grads"][f"model.layers.1.{n}"].abs().sum() > 0, n
+    ep = {"ep2-ac": 2, "ep4": 4, "hsdp2x2-ep2-ac": 2}.get(name, 1)
+    expert_dp = 4 // ep if "hsdp" not in name else 1
+    experts, dim, inter2 = ref["params"]["model.layers.0.mlp.experts.gate_up_proj"].shape
+    local = got["local_shapes"]
+    if ep > 1:
+        assert local["model.layers.0.mlp.experts.gate_up_proj"] == (experts // ep, dim // expert_dp, inter2)
+        assert local["model.layers.0.mlp.experts.down_proj_bias"] == (experts // ep, dim // expert_dp)
+
+
 def test_capacity_drops_the_same_pairs_whatever_ep(four_ranks):
     results, _ = four_ranks
     ep1, ep4 = results["capacity-ep1"], results["capacity-ep4"]
@@ -168,8 +221,8 @@ def test_capacity_drops_the_same_pairs_whatever_ep(four_ranks):
 
 
 # ---- training end to end --------------------------------------------------------------------------
-def moe_config(run_dir, data, ep: int, max_steps: int, ac: str = "none"):
-    return tiny_config(run_dir, data, model={"preset": "tiny-moe", "overrides": {"vocab_size": 512, "n_layers": 2}},
+def moe_config(run_dir, data, ep: int, max_steps: int, ac: str = "none", preset: str = "tiny-moe"):
+    return tiny_config(run_dir, data, model={"preset": preset, "overrides": {"vocab_size": 512, "n_layers": 2}},
                        parallel={"expert_parallel_degree": ep}, training={"max_steps": max_steps},
                        checkpoint={"interval": 4, "keep": 10}, activation_checkpointing={"mode": ac})
 
@@ -201,3 +254,14 @@ def test_train_with_ep2_on_4_processes_and_resume_with_ep4_and_ep1(tmp_path, dem
         for step in range(5, 9):
             assert abs(resumed[step] - ref[step]) <= 1e-5, (ep, step, resumed[step], ref[step])
         assert committed_steps(resumed_dir / "checkpoints")[0] == 8
+
+
+@pytest.mark.slow
+def test_tiny_gpt_oss_trains_with_ep2_and_checkpointing_on_cpu(tmp_path, demo_data):
+    steps = run_training(moe_config(tmp_path / "gpt-oss", demo_data, ep=2, max_steps=8, ac="full",
+                                    preset="tiny-gpt-oss"), nproc=2)
+    ref = losses(steps)
+    assert sorted(ref) == list(range(1, 9)) and ref[8] < ref[1] - 0.3, "the model should learn"
+    assert all(sum(s["tokens_per_expert"]) == 8 * 64 * 2 * 2 and s["dropped_pairs"] == 0 for s in steps)
+    _, events = read_metrics(tmp_path / "gpt-oss")
+    assert "experts over EP 2" in next(e for e in events if e["event"] == "started")["layout"]

@@ -277,7 +277,11 @@ def test_config_round_trip_and_transformers_reads_it(preset):
     assert parsed.rope_parameters["rope_theta"] == cfg.rope_theta
     assert parsed.num_key_value_heads == cfg.n_kv_heads
     assert getattr(parsed, "sliding_window", None) == cfg.sliding_window  # an explicit null, not Mistral's 4096
-    assert hf["model_type"] == ("mixtral" if cfg.is_moe else "mistral" if cfg.sliding_window else "llama")
+    assert parsed.rope_parameters["rope_type"] == cfg.rope_type
+    assert parsed.rope_parameters.get("factor", 1.0) == cfg.rope_factor
+    assert getattr(parsed, "head_dim", cfg.head_dim) == cfg.head_dim
+    expected = "mixtral" if cfg.is_moe else "mistral" if cfg.sliding_window else "llama"
+    assert hf["model_type"] == ("gpt_oss" if cfg.architecture == "gpt_oss" else expected)
 
 
 _PUBLISHED_SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000,
@@ -325,11 +329,13 @@ def test_config_from_hf_legacy_and_default_fields():
     "change, field",
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
         ({"rope_parameters": {"rope_type": "default"}, "rope_scaling": {"rope_type": "llama3"}}, "rope_scaling"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-        ({"head_dim": 32}, "head_dim"),
+        ({"head_dim": 33}, "head_dim"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method"),  # MXFP4 is read for GPT-OSS only
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),

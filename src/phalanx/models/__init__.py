@@ -1,5 +1,6 @@
-"""Plain PyTorch models (no torch.distributed): Llama-family dense decoders and Mixtral-style MoE, and Hugging
-Face interop. Must not know: parallelism, data, the training loop, recovery or the controller."""
+"""Plain PyTorch models (no torch.distributed): Llama-family dense decoders (Llama 2 / 3.x, Mistral), Mixtral-style
+MoE and GPT-OSS, and Hugging Face interop. Must not know: parallelism, data, the training loop, recovery or the
+controller."""
 
 from phalanx.models.config import PRESETS, ModelConfig, get_preset
 from phalanx.models.init import init_weights

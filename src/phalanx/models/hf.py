@@ -1,10 +1,13 @@
 """Hugging Face safetensors checkpoints <-> our parameters: `HFCheckpoint` reads one lazily, `save_hf` writes one.
 
-Reads and writes the layout `transformers` uses for Llama, Mistral and Mixtral (and that published
+Reads and writes the layout `transformers` uses for Llama, Mistral, Mixtral and GPT-OSS (and that published
 checkpoints use): our module names equal HF's, except that our Mixtral experts are stacked
 (`...block_sparse_moe.experts.w1` [E, inter, dim]) where HF stores one tensor per expert
-(`...block_sparse_moe.experts.{j}.w1.weight`). `HFCheckpoint.read_rows` reads rows [a, b) of one of *our*
-parameters without reading the rest of the tensor, so a sharded loader can give each rank only its shard.
+(`...block_sparse_moe.experts.{j}.w1.weight`). GPT-OSS's published expert weights are MXFP4
+(`...mlp.experts.gate_up_proj_blocks` / `_scales`, `phalanx.models.mxfp4`): read dequantized to the dtype asked
+for; `save_hf` writes them unquantized (the layout transformers saves a dequantized GPT-OSS in).
+`HFCheckpoint.read_rows` reads rows [a, b) of one of *our* parameters without reading the rest of the tensor,
+so a sharded loader can give each rank only its shard.
 The `config.json` mapping is `phalanx.models.hf_config` (its names are importable from here too).
 Knows nothing about torch.distributed (DTensors are recognised by duck typing), training or the CLI;
 needs only `safetensors`, never `transformers`.
@@ -35,6 +38,7 @@ from phalanx.models.hf_config import (  # noqa: F401 - the config mapping, impor
     read_hf_config_json,
 )
 from phalanx.models.llama import Transformer
+from phalanx.models.mxfp4 import BLOCK_VALUES, dequantize_mxfp4
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,7 +68,9 @@ def _expert_key(layer: str, w: str, expert: int) -> str:
 class _Source:
     """Where one of our parameters lives in the checkpoint."""
 
-    kind: str  # "plain": keys[0] as is; "experts": one key per expert; "fused": keys[0][:, cols[0]:cols[1]]
+    # "plain": keys[0] as is; "experts": one key per expert; "fused": keys[0][:, cols[0]:cols[1]];
+    # "mxfp4": keys = (blocks, scales), dequantized and transposed to our [E, in, out]
+    kind: str
     keys: tuple[str, ...]
     cols: tuple[int, int] | None = None
 
@@ -179,6 +185,8 @@ class HFCheckpoint:
             if self._stored_shape(fused) != want:
                 raise self._shape_error(fused, self._stored_shape(fused), want)
             return _Source("fused", (fused,), cols)
+        if name not in present and f"{name}_blocks" in present and f"{name}_scales" in present:
+            return self._mxfp4_source(name, shape)
         key = name
         if router and name not in present:
             key = f"model.layers.{router.group(1)}.mlp.gate.weight"
@@ -187,6 +195,21 @@ class HFCheckpoint:
         if self._stored_shape(key) != tuple(shape):
             raise self._shape_error(key, self._stored_shape(key), shape)
         return _Source("plain", (key,))
+
+    def _mxfp4_source(self, name: str, shape: torch.Size) -> _Source:
+        """Our [E, in, out] expert weight stored as MXFP4 blocks [E, out, in / 32, 16] and scales [E, out, in / 32]."""
+        blocks, scales = f"{name}_blocks", f"{name}_scales"
+        if len(shape) != 3 or shape[1] % BLOCK_VALUES:
+            raise HFFormatError(
+                f"checkpoint tensor {blocks!r} is MXFP4, which Phalanx reads only for stacked expert weights with an "
+                f"input width divisible by {BLOCK_VALUES}; {name!r} has shape {list(shape)}"
+            )
+        groups = shape[1] // BLOCK_VALUES
+        want = {blocks: (shape[0], shape[2], groups, BLOCK_VALUES // 2), scales: (shape[0], shape[2], groups)}
+        for key, want_shape in want.items():
+            if self._stored_shape(key) != want_shape:
+                raise self._shape_error(key, self._stored_shape(key), want_shape)
+        return _Source("mxfp4", (blocks, scales))
 
     def names(self) -> list[str]:
         """Our parameter names, in model order (a tied `lm_head.weight` is readable but not listed)."""
@@ -213,6 +236,10 @@ class HFCheckpoint:
             raise ValueError(f"rows [{row_start}, {row_end}) are out of range for {name!r} with {shape[0]} rows")
         if source.kind == "plain":
             rows = self._slice(source.keys[0])[row_start:row_end]
+        elif source.kind == "mxfp4":  # one expert at a time: the LUT indices are 8 bytes per value
+            blocks, scales = (self._slice(k) for k in source.keys)
+            parts = [dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1], dtype) for e in range(row_start, row_end)]
+            rows = torch.cat(parts).transpose(1, 2) if parts else torch.empty((0, *shape[1:]))
         elif source.kind == "experts":
             parts = [self._slice(k)[:] for k in source.keys[row_start:row_end]]
             rows = torch.stack(parts) if parts else torch.empty((0, *shape[1:]))

@@ -1,8 +1,11 @@
-"""Llama-family decoder: Llama 2, Mistral, Mathstral, and Mixtral when the config has experts.
+"""Our decoder: the Llama family (Llama 2 / 3.x, Mistral, Mathstral; Mixtral when the config has experts) and
+GPT-OSS (`architecture="gpt_oss"`).
 
-RMSNorm, rotary embeddings (HF "rotate_half" layout, configurable theta), grouped-query attention with an
-optional sliding window, SwiGLU MLP or a sparse MoE block, tied or untied embeddings. Module names equal
-Hugging Face's (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`), so checkpoints map directly.
+RMSNorm, rotary embeddings (HF "rotate_half" layout; default / linear / llama3 / yarn scaling, see
+`phalanx.models.rope`), grouped-query attention with an optional sliding window on all or every other layer,
+a SwiGLU MLP or a sparse MoE block, tied or untied embeddings. GPT-OSS adds biases in attention, a learned sink
+per head and its own MoE block (`phalanx.models.gpt_oss`). Module names equal Hugging Face's
+(`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`), so checkpoints map directly.
 Plain PyTorch: no torch.distributed, no resilience, no training loop.
 """
 
@@ -13,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.models.config import ModelConfig
+from phalanx.models.gpt_oss import GptOssMoE, attention_with_sinks
 from phalanx.models.moe import MoEFeedForward
+from phalanx.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -29,54 +34,30 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables computed per call from positions (cheap; nothing to keep in sync with max_seq_len)."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self, device=None) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        return 1.0 / (self.theta**exponents)
-
-    def reset_parameters(self) -> None:
-        self.inv_freq = self._inv_freq(self.inv_freq.device)
-
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def attention_mask(seq_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
-    """None when plain causal attention suffices; else a boolean [T, T] mask (True = attend)."""
-    if sliding_window is None or seq_len <= sliding_window:
+def attention_mask(seq_len: int, sliding_window: int | None, device, *, sink: bool = False) -> torch.Tensor | None:
+    """None when plain causal attention suffices; else a boolean mask (True = attend): [T, T], or with `sink`
+    [T, T + 1] whose column 0 (the sink key) every query attends to."""
+    if not sink and (sliding_window is None or seq_len <= sliding_window):
         return None
     i = torch.arange(seq_len, device=device)
     distance = i[:, None] - i[None, :]
-    return (distance >= 0) & (distance < sliding_window)
+    mask = distance >= 0
+    if sliding_window is not None:
+        mask &= distance < sliding_window
+    return F.pad(mask, (1, 0), value=True) if sink else mask
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        bias = config.architecture == "gpt_oss"
+        self.q_proj = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=bias)
+        sinks = nn.Parameter(torch.empty(self.n_heads)) if config.has_attention_sinks else None
+        self.register_parameter("sinks", sinks)  # GPT-OSS: one learned logit per head
 
     def forward(self, x, cos, sin, mask):
         bsz, seq_len, _ = x.shape
@@ -89,7 +70,9 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        if mask is None:
+        if self.sinks is not None:
+            out = attention_with_sinks(q, k, v, self.sinks, mask)
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -117,7 +100,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        if config.is_moe:
+        if config.architecture == "gpt_oss":
+            self.mlp = GptOssMoE(config)
+        elif config.is_moe:
             self.block_sparse_moe = MoEFeedForward(config)
         else:
             self.mlp = FeedForward(config.dim, config.intermediate_size)
@@ -125,10 +110,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         h = self.post_attention_layernorm(x)
-        if hasattr(self, "block_sparse_moe"):
-            out, aux = self.block_sparse_moe(h)
+        ff = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        if isinstance(ff, MoEFeedForward):
+            out, aux = ff(h)
             return x + out, aux
-        return x + self.mlp(h), None
+        return x + ff(h), None
 
 
 class DecoderStack(nn.Module):
@@ -139,7 +125,7 @@ class DecoderStack(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config)
 
 
 class Transformer(nn.Module):
@@ -160,10 +146,12 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(input_ids)
         seq_len = input_ids.shape[1]
         cos, sin = self.model.rotary_emb(seq_len, h.dtype)
-        mask = attention_mask(seq_len, self.config.sliding_window, h.device)
+        sink, window = self.config.has_attention_sinks, self.config.sliding_window
+        masks = {windowed: attention_mask(seq_len, window if windowed else None, h.device, sink=sink)
+                 for windowed in {self.config.layer_is_windowed(i) for i in range(self.config.n_layers)}}
         aux_losses = []
-        for layer in self.model.layers:
-            h, aux = layer(h, cos, sin, mask)
+        for i, layer in enumerate(self.model.layers):
+            h, aux = layer(h, cos, sin, masks[self.config.layer_is_windowed(i)])
             if aux is not None:
                 aux_losses.append(aux)
         h = self.model.norm(h)
@@ -181,9 +169,12 @@ class Transformer(nn.Module):
 
     # ---- initialisation -------------------------------------------------------------------------
     def init_spec(self, name: str) -> tuple[str, float]:
-        """How parameter `name` is initialised: ("normal", std) or ("ones", 0). Used by every init path."""
+        """How parameter `name` is initialised: ("normal", std), ("ones", 0) or ("zeros", 0), as transformers
+        does (biases zero but the router's). Used by every init path."""
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             return ("ones", 0.0)
+        if name.endswith("bias") and not name.endswith("router.bias"):
+            return ("zeros", 0.0)
         return ("normal", self.config.init_std)
 
     def reset_buffers(self) -> None:

@@ -40,26 +40,29 @@ class Router(nn.Module):
 
 @functools.lru_cache(maxsize=None)
 @torch.no_grad()  # saves nothing for backward: the first call may run inside activation checkpointing
-def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch has a `_grouped_mm` kernel for this device and dtype (probed once)."""
+def _grouped_mm_works(device_type: str, dtype: torch.dtype, column_major: bool = True) -> bool:
+    """Whether this torch has a `_grouped_mm` kernel for this device, dtype and weight layout (probed once):
+    column_major: weights passed as `w.transpose(-2, -1)` of a contiguous [E, out, in]; else contiguous
+    [E, in, out]."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
         x = torch.ones(16, 16, device=device_type, dtype=dtype)
         w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
         offs = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
-        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(x, w.transpose(-2, -1) if column_major else w, offs=offs)
         return bool(torch.allclose(out.float(), torch.full_like(out, 16.0).float()))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
-def _grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor, column_major: bool = True) -> bool:
+    """Whether `torch._grouped_mm` can multiply `x` [rows, in] by these stacked weights here."""
     # _grouped_mm needs 16-byte aligned row strides and at least one row.
     align = 16 // x.element_size()
     if x.shape[0] == 0 or x.shape[-1] % align or any(w.shape[-2] % align or w.shape[-1] % align for w in weights):
         return False
-    return _grouped_mm_works(x.device.type, x.dtype)
+    return _grouped_mm_works(x.device.type, x.dtype, column_major)
 
 
 def expert_swiglu(
@@ -70,7 +73,7 @@ def expert_swiglu(
     w1/w3 [E, inter, dim], w2 [E, dim, inter]. Every expert is part of the autograd graph even with no rows
     (its gradient is then zero), so data-parallel ranks always reduce the same set of gradients.
     """
-    if _grouped_mm_usable(x_sorted, w1, w2, w3):
+    if grouped_mm_usable(x_sorted, w1, w2, w3):
         offs = torch.tensor(tokens_per_expert, device=x_sorted.device).cumsum(0).to(torch.int32)
         gate = torch._grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(x_sorted, w3.transpose(-2, -1), offs=offs)
@@ -83,7 +86,11 @@ def expert_swiglu(
 
 
 class Experts(nn.Module):
-    """N SwiGLU experts with stacked weights: w1/w3 [E, inter, dim], w2 [E, dim, inter] (HF w1=gate, w3=up)."""
+    """N SwiGLU experts with stacked weights: w1/w3 [E, inter, dim], w2 [E, dim, inter] (HF w1=gate, w3=up).
+
+    Every parameter of an experts module is stacked along dim 0 (one slice per expert) and `compute` takes
+    them in registration order: an expert-parallel wrapper passes its local slices instead.
+    """
 
     def __init__(self, dim: int, intermediate_size: int, n_experts: int):
         super().__init__()
@@ -92,9 +99,12 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, intermediate_size))
         self.w3 = nn.Parameter(torch.empty(n_experts, intermediate_size, dim))
 
+    def compute(self, x_sorted: torch.Tensor, tokens_per_expert: list[int], *weights: torch.Tensor) -> torch.Tensor:
+        return expert_swiglu(x_sorted, tokens_per_expert, *weights)
+
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """x_sorted: tokens grouped by expert (expert 0's first); returns the expert outputs in that order."""
-        return expert_swiglu(x_sorted, tokens_per_expert, self.w1, self.w2, self.w3)
+        return self.compute(x_sorted, tokens_per_expert, *self.parameters(recurse=False))
 
 
 def capacity_mask(top_idx: torch.Tensor, n_experts: int, capacity_factor: float | None) -> torch.Tensor | None:
@@ -135,10 +145,14 @@ class MoEFeedForward(nn.Module):
         self.n_experts = config.n_experts
         self.top_k = config.top_k
         self.capacity_factor = config.capacity_factor
-        self.gate = Router(config.dim, config.n_experts)
-        self.experts = Experts(config.dim, config.intermediate_size, config.n_experts)
+        self.build(config)
         self.register_buffer("tokens_per_expert", torch.zeros(config.n_experts), persistent=False)
         self.register_buffer("dropped_pairs", torch.zeros(()), persistent=False)
+
+    def build(self, config: ModelConfig) -> None:
+        """The router and the experts, under Hugging Face's names for this architecture."""
+        self.gate = Router(config.dim, config.n_experts)
+        self.experts = Experts(config.dim, config.intermediate_size, config.n_experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router_probs [T, E] fp32, top_w [T, k] renormalised, top_idx [T, k])."""

@@ -102,8 +102,14 @@ class ParallelDims:
     def hsdp(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
-    def check_model(self, *, n_heads: int, n_kv_heads: int, n_experts: int) -> None:
-        """The degrees must also tile the model: tp divides the heads, ep divides the experts."""
+    def check_model(self, *, n_heads: int, n_kv_heads: int, n_experts: int, attention_sinks: bool = False) -> None:
+        """The degrees must also tile the model: tp divides the heads (and is 1 with attention sinks, which tp
+        does not split), ep divides the experts."""
+        if self.tp > 1 and attention_sinks:
+            raise ParallelConfigError(
+                f"parallel.tensor_parallel_degree={self.tp}: this model has attention sinks (GPT-OSS), which tensor "
+                "parallelism does not split; set tensor_parallel_degree=1 (FSDP and expert_parallel_degree apply)"
+            )
         if self.tp > 1:
             for field, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
                 if value % self.tp:

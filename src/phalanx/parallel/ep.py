@@ -1,7 +1,8 @@
 """Expert parallelism for the MoE blocks of an unchanged model, and MoE statistics over the global batch.
 
-`apply_ep(model, mesh)` turns every `MoEFeedForward` into its parallel form (same parameters, same
-state-dict keys; the class is swapped for a subclass, the way `fully_shard` does it):
+`apply_ep(model, mesh)` turns every `MoEFeedForward` (Mixtral's, GPT-OSS's: any subclass) into its parallel
+form (same parameters, same state-dict keys; the class is swapped for a subclass that mixes the parallel
+behaviour into the model's own class, the way `fully_shard` does it):
 
 - Token counts → global. The router's load-balancing loss uses f_e = the fraction of *all* data-parallel
   ranks' tokens routed to expert e (the counts are summed over the data-parallel group, one small
@@ -13,13 +14,15 @@ state-dict keys; the class is swapped for a subclass, the way `fully_shard` does
   the ep ranks — rank j of an ep group holds experts [j·E/ep, (j+1)·E/ep). A forward pass routes locally,
   sorts the (token, expert) pairs by expert (so they are grouped by destination rank), exchanges the
   per-expert counts with one `all_to_all_single`, sends the tokens with a second one (uneven splits),
-  runs the local experts batched (grouped matmul or a loop, `phalanx.models.moe.expert_swiglu`), sends
+  runs the local experts batched (the experts module's own `compute` on the local slices of its stacked
+  parameters: Mixtral's SwiGLU, GPT-OSS's clamped SwiGLU with biases), sends
   the outputs back the same way and combines them with the routing weights. Autograd runs through both
   token all-to-alls (the backward of each is the reverse all-to-all). The optional capacity is applied
   on the source rank before dispatch, so which pairs are dropped does not depend on ep.
 
-Sharding of the expert weights (what composes with `fully_shard` and DCP): each expert weight is a
-DTensor on the ep mesh (Shard(0)); `apply_fsdp` wraps `experts` as its own FSDP unit over the ranks
+Sharding of the expert weights (what composes with `fully_shard` and DCP): each expert parameter (weights
+and biases, all stacked along dim 0) is a DTensor on the ep mesh (Shard(0)); `apply_fsdp` wraps `experts` as
+its own FSDP unit over the ranks
 that hold the same experts (`mesh.expert_dp`: dp_shard / ep ranks, plus dp_replicate in HSDP), sharding
 dim 1 (dim 0 may hold fewer experts than ranks). The result is one DTensor per weight with placements
 (Shard(1) on expert_dp, Shard(0) on ep): ordinary placements that DCP saves with global offsets and
@@ -33,11 +36,13 @@ Knows nothing about the trainer, the data or the control plane; the model only a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.models.moe import Experts, MoEFeedForward, combine, expert_swiglu, sort_pairs
+from phalanx.models.moe import MoEFeedForward, combine, sort_pairs
 from phalanx.parallel.dims import ParallelMesh
 
 try:
@@ -88,23 +93,30 @@ def _source_major_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(starts - new_starts, sizes)
 
 
-class ExpertParallelExperts(Experts):
-    """`Experts` whose weights are DTensors sharded over the ep ranks: computes with the local experts."""
+class ExpertParallelExperts:
+    """Mixed into an experts module whose parameters are DTensors sharded over the ep ranks: computes with the
+    local experts (the module's `compute` on the local slices)."""
 
     ep_size: int = 1
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        w1, w2, w3 = (_ScaleGrad.apply(_local(w), 1.0 / self.ep_size) for w in (self.w1, self.w2, self.w3))
-        return expert_swiglu(x_sorted, tokens_per_expert, w1, w2, w3)
+        weights = [_ScaleGrad.apply(_local(w), 1.0 / self.ep_size) for w in self.parameters(recurse=False)]
+        return self.compute(x_sorted, tokens_per_expert, *weights)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-class ParallelMoEFeedForward(MoEFeedForward):
-    """`MoEFeedForward` with counts summed over the data-parallel group and, with an ep group, experts
-    spread over ranks and tokens dispatched to them with all-to-all."""
+@functools.cache
+def _mixed(mixin: type, cls: type) -> type:
+    """`cls` with `mixin`'s methods first (one class per pair, so repeated calls give the same class)."""
+    return cls if issubclass(cls, mixin) else type(f"{mixin.__name__}[{cls.__name__}]", (mixin, cls), {})
+
+
+class ParallelMoEFeedForward:
+    """Mixed into a `MoEFeedForward`: counts summed over the data-parallel group and, with an ep group,
+    experts spread over ranks and tokens dispatched to them with all-to-all."""
 
     count_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
@@ -145,7 +157,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> int:
     blocks = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
     ep_mesh = mesh.ep
     for block in blocks:
-        block.__class__ = ParallelMoEFeedForward
+        block.__class__ = _mixed(ParallelMoEFeedForward, type(block))
         block.count_group = mesh.dp_group
         if ep_mesh is None:
             continue
@@ -156,7 +168,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> int:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        experts.__class__ = ExpertParallelExperts
+        experts.__class__ = _mixed(ExpertParallelExperts, type(experts))
         experts.ep_size = ep_mesh.size()
     return len(blocks)
 

@@ -32,7 +32,7 @@ def tp_plan(block: nn.Module) -> dict:
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
     }
-    if hasattr(block, "mlp"):  # dense block; an MoE block's experts stay replicated over tp
+    if hasattr(getattr(block, "mlp", None), "gate_proj"):  # dense block; an MoE block's experts stay replicated
         plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                      "mlp.down_proj": RowwiseParallel()})
     return plan
@@ -45,6 +45,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     if config.n_heads % tp or config.n_kv_heads % tp:
         raise ValueError(
             f"tensor parallel degree {tp} must divide n_heads={config.n_heads} and n_kv_heads={config.n_kv_heads}"
+        )
+    if getattr(config, "has_attention_sinks", False):
+        raise ValueError(
+            f"tensor parallel degree {tp} with model.architecture={config.architecture!r}: attention sinks are not "
+            "split over tp ranks; use tensor_parallel_degree=1 (FSDP and expert parallelism apply)"
         )
     layers = model.model.layers
     for block in layers:

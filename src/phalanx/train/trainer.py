@@ -58,7 +58,8 @@ def parallel_dims(config: TrainConfig, world_size: int, model_config: ModelConfi
     """The parallel degrees, validated against the world size and the model (heads for tp, experts for ep)."""
     p = config.parallel
     dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree)
-    dims.check_model(n_heads=model_config.n_heads, n_kv_heads=model_config.n_kv_heads, n_experts=model_config.n_experts)
+    dims.check_model(n_heads=model_config.n_heads, n_kv_heads=model_config.n_kv_heads, n_experts=model_config.n_experts,
+                     attention_sinks=model_config.has_attention_sinks)
     return dims
 
 
