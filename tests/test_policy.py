@@ -634,6 +634,18 @@ def test_a_checkpointless_node_fault_recovers_in_place_with_survivors_carried_an
     assert "training resumed at step 16 on 2 ranks, 0 committed step(s) redone" in kinds["resumed"]
 
 
+def test_a_checkpointless_node_fault_marks_the_dead_nodes_worker_lost_not_running(make):
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    running(c, job.id, 1)
+    c.inject_fault("workers-1", "kill-node")
+    running(c, job.id, 2)
+    c.steps(3)
+    old = {w.rank: w for w in c.jobs.records.workers(job=job.id, generation=1)}
+    assert old[0].state == "carried"
+    assert old[1].state == "lost" and "its node workers-1 failed" in old[1].detail, (old[1].state, old[1].detail)
+
+
 def test_a_checkpointless_worker_killed_is_a_process_fault_recovered_in_place_on_the_same_nodes(make):
     c = make(count=2, spares=1).create()
     job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)

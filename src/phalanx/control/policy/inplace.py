@@ -157,6 +157,10 @@ class InPlaceRecovery:
                                        outcome=outcome)
         if node_fault:
             self.records.update_job(job.id, node_faults=job.node_faults + 1)
+        for w in self.records.workers(job=job.id, generation=gen.generation):
+            if w.node in bad and w.live:  # nobody reports them again: the agent died with its node, or kills them
+                self.records.update_worker(job.id, gen.generation, w.rank, state="lost",
+                                           detail=f"its node {w.node} failed; not carried into the next generation")
         if stranded:
             what = (f"{first}; next: every process regroups in generation {gen.generation + 1} on the same nodes "
                     f"and continues from the newest step all of them hold")
