@@ -186,6 +186,20 @@ def test_hang_rule_kills_a_frozen_worker_first_and_a_stalled_one_only_later():
     frozen_in_regroup.pid = frozen_in_regroup.proc.pid
     sup.poll()
     assert frozen_in_regroup.hang and frozen_in_regroup.proc.wait(5) == -signal.SIGKILL
+    # a restarted controller's store is empty until the worker's reporter reconnects: no beat relayed since
+    # the gap is not a freeze within 2 × hang_timeout_s (a beat that stopped after the gap still is)
+    reconnecting = worker(progress_silent=3.0, beat_silent=3.0)
+    assert reconnecting.frozen  # (judged as before: a beat had been relayed since the last gap)
+    for silent, judged in ((3.0, False), (4.5, True)):
+        proc = subprocess.Popen(["sleep", "30"], process_group=0)
+        w = Worker("1", 1, 0, 0, pid=proc.pid, started_at=time.time(), proc=proc, last_step=5, last_beat=9,
+                   last_change=now - silent, last_beat_change=now - silent, beat_since_gap=False)
+        sup._judge_hang(w, now)
+        assert bool(w.hang) == judged and (proc.wait(5) == -signal.SIGKILL if judged else proc.poll() is None), \
+            (silent, w.hang)
+        if not judged:
+            proc.kill()
+            proc.wait()
     sup.relay_down()  # the controller is unreachable: silence is not evidence, nobody is judged
     sup.workers[("1", 1, 0)] = waiting
     waiting.last_change = waiting.last_beat_change = now - 30

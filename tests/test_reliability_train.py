@@ -73,6 +73,30 @@ def copy_run(run_dir: Path, tmp_path: Path) -> Path:
     return dst
 
 
+def test_a_worker_that_resumes_at_the_last_step_still_tells_the_controller_that_step(tmp_path, demo_data, trained_run,
+                                                                                      monkeypatch):
+    """A restart that resumes from the final checkpoint trains no step; its worker must still publish the step
+    (the controller would otherwise record the job as finished at the step before the fault)."""
+    import socket
+
+    import torch.distributed as dist
+    from phalanx import protocol
+
+    run_dir = copy_run(trained_run, tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    for key, value in ((protocol.STORE_ADDR, f"127.0.0.1:{port}"), (protocol.JOB_ID, "9"),
+                       (protocol.GENERATION, "2"), (protocol.CLUSTER_TOKEN, "tok"),
+                       (protocol.PROTOCOL_ENV, str(protocol.PROTOCOL_VERSION))):
+        monkeypatch.setenv(key, value)
+    run_training(tiny_config(run_dir, demo_data, training={"max_steps": 2}, checkpoint={"interval": 1, "keep": 3}),
+                 nproc=1)
+    assert events_of(run_dir, "resumed")[-1]["step"] == 2
+    assert protocol.read_progress(server, "9", 2, [0])[0]["step"] == 2
+
+
 # ---- 1. retention counts only checkpoints that verify --------------------------------------------------
 
 

@@ -46,7 +46,8 @@ def run_restart(config: TrainConfig, device: torch.device, backend: str) -> int:
         trainer = Trainer(config, device)
         reporter = report_progress(trainer)
         trainer.fit()
-        if reporter is not None:  # the controller learns the last step before this process exits
+        if reporter is not None:  # the controller learns the last step before this process exits (also when
+            reporter.report(trainer.progress.step)  # it resumed at the last step and trained none)
             reporter.flush(FLUSH_S)
     except (ConfigError, DataError, ParallelConfigError) as err:
         if dist.get_rank() == 0:

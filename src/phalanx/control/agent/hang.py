@@ -11,7 +11,8 @@ the others wait for it — so progress alone cannot name the culprit; the beat c
            stuck collective): SIGKILLed and reported as hung but alive — a job-level fault, not a node's.
 Nothing is judged while the relay is down (the controller unreachable: `relay_down()`), and the clocks
 restart with the first reply after any gap (an outage, a restarted controller with an empty store), so an
-outage is never taken for a hang. Workers that never report progress (plain torch.distributed programs)
+outage is never taken for a hang. After a gap, a worker whose beat has not been relayed yet (its reporter is
+still reconnecting to the restarted store) is judged frozen only after 2 × `hang_timeout_s`, not 1. Workers that never report progress (plain torch.distributed programs)
 are not judged.
 A worker between generations of a checkpointless job (regrouping: no step yet in the new generation, its
 beat already there) is judged frozen by the same rule, never stalled: its wait is bounded by the regroup's
@@ -32,12 +33,14 @@ class Hang:
 
 
 def judge_hang(w, now: float, timeout: float) -> Hang | None:
-    """`w`: a worker's relayed `last_step`, `last_change`, `last_beat`, `last_beat_change` (monotonic)."""
+    """`w`: a worker's relayed `last_step`, `last_change`, `last_beat`, `last_beat_change` (monotonic), and
+    `beat_since_gap` (a beat was relayed since the relay's last gap)."""
     silent = now - w.last_change
     if silent <= timeout:
         return None
     beat_silent = now - w.last_beat_change
-    if w.last_beat is not None and beat_silent > timeout / 2:
+    reconnecting = not getattr(w, "beat_since_gap", True) and silent <= 2 * timeout
+    if w.last_beat is not None and beat_silent > timeout / 2 and not reconnecting:
         where = f"after step {w.last_step}" if w.last_step is not None else "while regrouping"
         return Hang(f"frozen: no progress for {silent:.1f} s {where} and no liveness beat for {beat_silent:.1f} s "
                     f"(hang_timeout_s={timeout:g})", frozen=True)

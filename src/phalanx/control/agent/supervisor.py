@@ -84,11 +84,14 @@ class WorkerSupervisor(StandbyPool):
                     w.hang_detection = bool(a.get("hang_detection", True))
                     if relay_gap:
                         w.last_change = w.last_beat_change = now
+                        w.beat_since_gap = False
                     seen = a.get("progress", {}).get(str(w.rank)) or {}
                     if seen.get("step") is not None and seen["step"] != w.last_step:
                         w.last_step, w.last_change = seen["step"], now
-                    if seen.get("beat") is not None and seen["beat"] != w.last_beat:
-                        w.last_beat, w.last_beat_change = seen["beat"], now
+                    if seen.get("beat") is not None:
+                        w.beat_since_gap = True
+                        if seen["beat"] != w.last_beat:
+                            w.last_beat, w.last_beat_change = seen["beat"], now
             for w in self.workers.values():
                 if w.assignment not in self.desired and w.job not in self.held and w.state == "running":
                     self._stop(w, now)

@@ -61,6 +61,8 @@ class Worker:
     last_change: float = 0.0  # monotonic time the relayed progress last changed (or the clock restarted)
     last_beat: int | None = None  # relayed liveness counter
     last_beat_change: float = 0.0
+    beat_since_gap: bool = True  # a beat was relayed since the relay's last gap (a restarted controller's store
+    #                              is empty until this worker's reporter reconnects and re-publishes)
     frozen: bool = False  # hung with its liveness beat stopped too
     hang_detection: bool = True
     reported_exit: bool = False  # a heartbeat carrying its exit was answered
