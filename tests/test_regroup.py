@@ -160,6 +160,27 @@ def test_a_rank_stuck_forming_a_generation_exits_once_a_newer_one_appears(formed
         assert "still forming generation 1" in err and "line 11, in <module>" in err, err[-2000:]  # the sleep
 
 
+def test_the_stuck_grace_is_the_jobs_setting(tmp_path, demo_data):
+    """`resilience.stuck_grace_s` reaches the worker's watch (a big model's build + checkpoint load may need more
+    than the default 10 s), and a bad value is refused with the field named."""
+    import torch
+    from conftest import tiny_config
+    from phalanx.resilience.run import CheckpointlessRun
+    from phalanx.train.config import ConfigError
+
+    port = _free_port()
+    _server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    config = tiny_config(tmp_path, demo_data, resilience={"recovery": "checkpointless", "stuck_grace_s": 42.0})
+    env = {protocol.STORE_ADDR: f"127.0.0.1:{port}", protocol.JOB_ID: "7", protocol.NODE: "n0",
+           protocol.LOCAL_RANK: "0", protocol.RANK: "0", protocol.GENERATION: "1", protocol.CLUSTER_TOKEN: "tok",
+           protocol.PROTOCOL_ENV: str(protocol.PROTOCOL_VERSION)}
+    run = CheckpointlessRun(config, torch.device("cpu"), "gloo", env=env)
+    run.reporter.close()
+    assert run.membership.stuck_grace_s == 42.0
+    with pytest.raises(ConfigError, match="stuck_grace_s"):
+        tiny_config(tmp_path, demo_data, resilience={"stuck_grace_s": 0})
+
+
 DYING_PEER_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     import torch.distributed as dist

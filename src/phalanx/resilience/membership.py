@@ -42,7 +42,7 @@ from phalanx.resilience.regroup_store import RegroupStore
 
 log = logging.getLogger("phalanx.membership")
 POLL_S = 0.01
-STUCK_GRACE_S = 10.0  # forming a generation this long after a newer one appeared: blocked where it cannot notice
+STUCK_GRACE_S = 10.0  # the default of `resilience.stuck_grace_s`
 
 
 class Superseded(RuntimeError):
@@ -89,10 +89,10 @@ class Membership:
         self._watch_lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, env=None) -> "Membership":
+    def from_env(cls, env=None, *, stuck_grace_s: float = STUCK_GRACE_S) -> "Membership":
         env = os.environ if env is None else env
         return cls(env[protocol.STORE_ADDR], env[protocol.JOB_ID], env[protocol.NODE], int(env[protocol.LOCAL_RANK]),
-                   token=env.get(protocol.CLUSTER_TOKEN))
+                   token=env.get(protocol.CLUSTER_TOKEN), stuck_grace_s=stuck_grace_s)
 
     def _connect(self):
         return protocol.connect_store(self.store_addr, self.token, self.timeout)

@@ -91,7 +91,7 @@ class CheckpointlessRun:
         env = os.environ if env is None else env
         self.config, self.device, self.backend = config, device, backend
         self.settings = config.resilience
-        self.membership = Membership.from_env(env)
+        self.membership = Membership.from_env(env, stuck_grace_s=config.resilience.stuck_grace_s)
         self.workers_per_node = int(env.get(protocol.LOCAL_WORLD_SIZE, "1"))
         self.generation = int(env[protocol.GENERATION])
         self.process_started_at = float(env.get(protocol.ACTIVATED_AT) or time.time())

@@ -127,6 +127,10 @@ class ResilienceSection(_Strict):
                                                                "generation before giving up (exit 3)")
     regroup_timeout_s: float = Field(120.0, gt=0, description="how long a generation waits for all its ranks "
                                                               "to arrive")
+    stuck_grace_s: float = Field(10.0, gt=0, description="a rank still forming a generation (joining, restoring) "
+                                 "this long after a newer one was published is blocked where it cannot notice; it "
+                                 "exits (code 75) and a fresh process takes its rank. Raise it above the longest "
+                                 "model build + checkpoint load")
     drill: FaultDrill | None = Field(None, description="kill one worker at a chosen moment (checkpointless "
                                                        "jobs; see FaultDrill)")
 
