@@ -15,17 +15,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "GptOssConfig"):  # transformers < 4.55
-    pytest.skip("this transformers has no GPT-OSS", allow_module_level=True)
+import transformers  # a test dependency (pyproject's `test` extra): missing, the file fails, never skips
 
+from hf_compare import TOL, input_ids, max_diff, perturb, report  # noqa: E402
 from phalanx.models import PRESETS, ModelConfig, build_model  # noqa: E402
 from phalanx.models.gpt_oss import GptOssMoE, attention_with_sinks  # noqa: E402
 from phalanx.models.hf import HFCheckpoint, HFFormatError, config_from_hf, load_hf_model, save_hf  # noqa: E402
 from phalanx.models.llama import Transformer  # noqa: E402
 from phalanx.models.mxfp4 import dequantize_mxfp4  # noqa: E402
 
-TOL = 1e-5
 VOCAB = 256
 # Small, but every GPT-OSS feature is live on a 40-token input: head_dim (24) != hidden / heads, windows of 8 on
 # even layers, YaRN, 4 experts top-2, and swiglu_limit 0.3 so that the clamps cut (init values are ~0.05).
@@ -43,33 +41,13 @@ SMALL = ModelConfig(
 )
 
 
-def _input_ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Random offsets on every weight: norms not all ones, biases and sinks not zero, routing not uniform."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-
-
-def _report(label: str, diff: float) -> None:
-    print(f"\n[gpt-oss] {label}: max |logits diff| = {diff:.2e} (tolerance {TOL:.0e})")
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
-
 def _hf_model(seed: int = 0):
     torch.manual_seed(seed)
     config = transformers.GptOssConfig(**HF_KWARGS)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", experts_implementation="eager"
     ).eval()
-    _perturb(model, seed=seed + 1)
+    perturb(model, seed=seed + 1)
     return model
 
 
@@ -77,7 +55,7 @@ def _logits_with(model: Transformer, **overrides) -> torch.Tensor:
     other = Transformer(model.config.with_overrides(**overrides)).eval()
     other.load_state_dict(model.state_dict())
     with torch.no_grad():
-        return other(_input_ids())
+        return other(input_ids(VOCAB, 40))
 
 
 # ---- transformers <-> Phalanx -----------------------------------------------------------------------------
@@ -88,28 +66,28 @@ def test_transformers_checkpoint_loads_with_equal_logits(tmp_path):
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     ours = load_hf_model(tmp_path).eval()
     assert ours.config == SMALL.with_overrides(router_aux_loss_coef=0.001)  # transformers' default coefficient
-    ids = _input_ids()
+    ids = input_ids(VOCAB, 40)
     with torch.no_grad():
         expected, got = hf_model(ids).logits, ours(ids)
-    diff = _max_diff(expected, got)
-    _report("HF GPT-OSS -> Phalanx", diff)
+    diff = max_diff(expected, got)
+    report("gpt-oss", "HF GPT-OSS -> Phalanx", diff)
     assert diff <= TOL
     # Each GPT-OSS feature changes the logits of this input, so the comparison above covers it.
-    assert _max_diff(_logits_with(ours, sliding_window=None), got) > 1e-3
-    assert _max_diff(_logits_with(ours, sliding_window_layers="all"), got) > 1e-3
-    assert _max_diff(_logits_with(ours, swiglu_limit=100.0), got) > 1e-3
-    assert _max_diff(_logits_with(ours, rope_type="default"), got) > 1e-3
+    assert max_diff(_logits_with(ours, sliding_window=None), got) > 1e-3
+    assert max_diff(_logits_with(ours, sliding_window_layers="all"), got) > 1e-3
+    assert max_diff(_logits_with(ours, swiglu_limit=100.0), got) > 1e-3
+    assert max_diff(_logits_with(ours, rope_type="default"), got) > 1e-3
     no_sinks = Transformer(ours.config).eval()
     no_sinks.load_state_dict(ours.state_dict())
     with torch.no_grad():
         for layer in no_sinks.model.layers:
             layer.self_attn.sinks.fill_(-1e4)  # a sink that takes no probability mass
-        assert _max_diff(no_sinks(ids), got) > 1e-3
+        assert max_diff(no_sinks(ids), got) > 1e-3
 
 
 def test_saved_checkpoint_loads_in_transformers_with_equal_logits(tmp_path):
     model = build_model(SMALL, seed=3).eval()
-    _perturb(model, seed=4)
+    perturb(model, seed=4)
     save_hf(model, SMALL, tmp_path / "ckpt", max_shard_size_bytes=60_000)
     assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
     hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -119,10 +97,10 @@ def test_saved_checkpoint_loads_in_transformers_with_equal_logits(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(hf_model).__name__ == "GptOssForCausalLM"
     assert hf_model.config.layer_types == ["sliding_attention", "full_attention"]
-    ids = _input_ids()
+    ids = input_ids(VOCAB, 40)
     with torch.no_grad():
-        diff = _max_diff(hf_model.eval()(ids).logits, model(ids))
-    _report("Phalanx GPT-OSS -> HF", diff)
+        diff = max_diff(hf_model.eval()(ids).logits, model(ids))
+    report("gpt-oss", "Phalanx GPT-OSS -> HF", diff)
     assert diff <= TOL
     reloaded = load_hf_model(tmp_path / "ckpt")
     assert reloaded.config == SMALL
@@ -202,7 +180,7 @@ def test_mxfp4_checkpoint_loads_dequantized_like_transformers(tmp_path):
         assert torch.equal(ckpt.read_rows(key, 1, 3), dequantized[key][1:3])  # an expert-parallel rank's experts
         assert torch.equal(ckpt.read(key, torch.bfloat16).float(), dequantized[key])
         # quantization really happened: the weights moved onto the FP4 grid
-        assert 1e-4 < _max_diff(dequantized[key], hf_model.state_dict()[key])
+        assert 1e-4 < max_diff(dequantized[key], hf_model.state_dict()[key])
     ours = load_hf_model(tmp_path).eval()
 
     reference, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -213,8 +191,8 @@ def test_mxfp4_checkpoint_loads_dequantized_like_transformers(tmp_path):
     for name, value in reference.state_dict().items():
         assert torch.equal(ours.state_dict()[name], value), name
     with torch.no_grad():
-        diff = _max_diff(reference.eval()(_input_ids()).logits, ours(_input_ids()))
-    _report("HF MXFP4 checkpoint (transformers dequantize=True) -> Phalanx", diff)
+        diff = max_diff(reference.eval()(input_ids(VOCAB, 40)).logits, ours(input_ids(VOCAB, 40)))
+    report("gpt-oss", "HF MXFP4 checkpoint (transformers dequantize=True) -> Phalanx", diff)
     assert diff <= TOL
 
     save_hf(ours, ours.config, tmp_path / "back", dtype=torch.bfloat16)  # saved back unquantized
@@ -308,11 +286,11 @@ def test_attention_with_sinks_equals_explicit_softmax_values_and_gradients():
     with_sink = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, t, 1)], dim=-1)
     expected = F.softmax(with_sink, dim=-1)[..., :-1] @ v
     got = attention_with_sinks(q, k, v, sinks, F.pad(allowed, (1, 0), value=True))
-    assert _max_diff(got, expected) <= 1e-6
+    assert max_diff(got, expected) <= 1e-6
     grads = torch.autograd.grad(got.square().sum(), (q, k, v, sinks))
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v, sinks))
     for a, e in zip(grads, expected_grads):
-        assert _max_diff(a, e) <= 1e-5
+        assert max_diff(a, e) <= 1e-5
     assert sinks.grad is None and grads[3].abs().min() > 0
 
 
@@ -348,7 +326,7 @@ def test_continual_pretraining_from_the_mxfp4_layout_with_ep2_then_export(tmp_pa
     kwargs = {**HF_KWARGS, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64}
     hf_model = transformers.AutoModelForCausalLM.from_config(
         transformers.GptOssConfig(**kwargs), attn_implementation="eager", experts_implementation="eager").eval()
-    _perturb(hf_model, seed=9)
+    perturb(hf_model, seed=9)
     _write_mxfp4_checkpoint(hf_model, tmp_path / "published")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "published", quantization_config=transformers.Mxfp4Config(dequantize=True),
@@ -375,7 +353,7 @@ def test_continual_pretraining_from_the_mxfp4_layout_with_ep2_then_export(tmp_pa
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     ours = load_hf_model(tmp_path / "exported").eval()
     with torch.no_grad():
-        diff = _max_diff(exported.eval()(batch).logits, ours(batch))
-        _report("exported after training -> HF", diff)
+        diff = max_diff(exported.eval()(batch).logits, ours(batch))
+        report("gpt-oss", "exported after training -> HF", diff)
         assert diff <= TOL
         assert exported(batch, labels=batch).loss.item() < expected  # two steps of training moved the weights

@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency (pyproject's `test` extra): missing, the file fails, never skips
 
+from hf_compare import TOL, input_ids, perturb, report  # noqa: E402
 from phalanx.models import PRESETS, ModelConfig, build_model  # noqa: E402
 from phalanx.models.hf import (  # noqa: E402
     HFCheckpoint,
@@ -28,7 +29,6 @@ from phalanx.models.hf import (  # noqa: E402
 )
 from phalanx.models.llama import Transformer  # noqa: E402
 
-TOL = 1e-5
 VOCAB = 256
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -43,22 +43,6 @@ HF_CASES = {
 }
 
 
-def _input_ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Random offsets on every weight, so norms are not all ones and routing is not near-uniform."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-
-
-def _report(label: str, diff: float) -> None:
-    print(f"\n[hf] {label}: max |logits diff| = {diff:.2e} (tolerance {TOL:.0e})")
-
-
 @functools.cache
 def _hf_checkpoint(case: str, root: str):
     """A random eval-mode transformers model and the directory it was save_pretrained to."""
@@ -66,7 +50,7 @@ def _hf_checkpoint(case: str, root: str):
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**COMMON, **extra}, attn_implementation="eager")
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    _perturb(model, seed=1)
+    perturb(model, seed=1)
     path = os.path.join(root, case)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
@@ -85,11 +69,11 @@ def hf_root(tmp_path_factory) -> str:
 def test_hf_checkpoint_loads_with_equal_logits(case, hf_root):
     hf_model, path = _hf_checkpoint(case, hf_root)
     ours = load_hf_model(path).eval()
-    ids = _input_ids()
+    ids = input_ids(VOCAB, 24)
     with torch.no_grad():
         expected, got = hf_model(ids).logits, ours(ids)
     diff = (expected - got).abs().max().item()
-    _report(f"HF {case} -> Phalanx", diff)
+    report("hf", f"HF {case} -> Phalanx", diff)
     assert diff <= TOL
 
     if case.startswith("mistral"):
@@ -116,8 +100,8 @@ def test_fused_expert_layout_loads(hf_root, tmp_path):
     (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
     ours = load_hf_model(tmp_path).eval()
     with torch.no_grad():
-        diff = (hf_model(_input_ids()).logits - ours(_input_ids())).abs().max().item()
-    _report("HF mixtral (fused layout) -> Phalanx", diff)
+        diff = (hf_model(input_ids(VOCAB, 24)).logits - ours(input_ids(VOCAB, 24))).abs().max().item()
+    report("hf", "HF mixtral (fused layout) -> Phalanx", diff)
     assert diff <= TOL
 
 
@@ -136,7 +120,7 @@ OUR_CASES = {
 def test_saved_checkpoint_loads_in_transformers_with_equal_logits(case, tmp_path):
     cfg, arch, shard_bytes = OUR_CASES[case]
     model = build_model(cfg, seed=3).eval()
-    _perturb(model, seed=4)
+    perturb(model, seed=4)
     path = tmp_path / "ckpt"
     save_hf(model, cfg, path, max_shard_size_bytes=shard_bytes)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temp dirs left behind
@@ -149,10 +133,10 @@ def test_saved_checkpoint_loads_in_transformers_with_equal_logits(case, tmp_path
     assert type(hf_model).__name__ == f"{arch}ForCausalLM"
     assert getattr(hf_model.config, "sliding_window", None) == cfg.sliding_window
     assert hf_model.config.rope_parameters["rope_theta"] == cfg.rope_theta
-    ids = _input_ids()
+    ids = input_ids(VOCAB, 24)
     with torch.no_grad():
         diff = (hf_model.eval()(ids).logits - model(ids)).abs().max().item()
-    _report(f"Phalanx {case} -> HF", diff)
+    report("hf", f"Phalanx {case} -> HF", diff)
     assert diff <= TOL
 
     reloaded = load_hf_model(path)

@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency (pyproject's `test` extra): missing, the file fails, never skips
 
+from hf_compare import TOL, input_ids, max_diff, perturb, report  # noqa: E402
 from phalanx.models import PRESETS, ModelConfig, build_model  # noqa: E402
 from phalanx.models.hf import HFFormatError, config_from_hf, config_to_hf, load_hf_model, save_hf  # noqa: E402
 from phalanx.models.llama import Transformer  # noqa: E402
 from phalanx.models.rope import rope_inv_freq  # noqa: E402
 
-TOL = 1e-5
 VOCAB = 256
 # head_dim 16 with theta 1e4: wavelengths 6.3 … 19869 positions, so a 64-token "original context" puts
 # frequencies in all three llama3 bands (kept, smoothed, divided) and both ends of the yarn ramp.
@@ -40,38 +40,19 @@ HF_CASES = {
 }
 
 
-def _input_ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-
-
-def _report(label: str, diff: float) -> None:
-    print(f"\n[llama3] {label}: max |logits diff| = {diff:.2e} (tolerance {TOL:.0e})")
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
-
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_transformers_checkpoint_loads_with_equal_logits(case, tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**COMMON, **HF_CASES[case])
     hf_model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    _perturb(hf_model, seed=1)
+    perturb(hf_model, seed=1)
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     ours = load_hf_model(tmp_path).eval()
-    ids = _input_ids()
+    ids = input_ids(VOCAB, 40)
     with torch.no_grad():
         expected, got = hf_model(ids).logits, ours(ids)
-    diff = _max_diff(expected, got)
-    _report(f"HF {case} -> Phalanx", diff)
+    diff = max_diff(expected, got)
+    report("llama3", f"HF {case} -> Phalanx", diff)
     assert diff <= TOL
     cfg = ours.config
     assert cfg.rope_type == hf_model.config.rope_parameters["rope_type"] != "default"
@@ -80,7 +61,7 @@ def test_transformers_checkpoint_loads_with_equal_logits(case, tmp_path):
     plain = Transformer(cfg.with_overrides(rope_type="default", rope_factor=1.0)).eval()
     plain.load_state_dict(ours.state_dict())
     with torch.no_grad():
-        assert _max_diff(plain(ids), got) > 1e-3
+        assert max_diff(plain(ids), got) > 1e-3
 
 
 OUR_CASES = {
@@ -99,7 +80,7 @@ def test_saved_checkpoint_loads_in_transformers_with_equal_logits(case, tmp_path
     cfg = ModelConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
                       rope_theta=10000.0, max_seq_len=512, **OUR_CASES[case])
     model = build_model(cfg, seed=3).eval()
-    _perturb(model, seed=4)
+    perturb(model, seed=4)
     save_hf(model, cfg, tmp_path / "ckpt")
     hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "ckpt", attn_implementation="eager", dtype=torch.float32, output_loading_info=True
@@ -107,10 +88,10 @@ def test_saved_checkpoint_loads_in_transformers_with_equal_logits(case, tmp_path
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(hf_model).__name__ == "LlamaForCausalLM"
     assert hf_model.config.rope_parameters["rope_type"] == cfg.rope_type
-    ids = _input_ids()
+    ids = input_ids(VOCAB, 40)
     with torch.no_grad():
-        diff = _max_diff(hf_model.eval()(ids).logits, model(ids))
-    _report(f"Phalanx {case} -> HF", diff)
+        diff = max_diff(hf_model.eval()(ids).logits, model(ids))
+    report("llama3", f"Phalanx {case} -> HF", diff)
     assert diff <= TOL
     assert load_hf_model(tmp_path / "ckpt").config == cfg
 

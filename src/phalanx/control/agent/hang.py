@@ -39,7 +39,7 @@ def judge_hang(w, now: float, timeout: float) -> Hang | None:
     if silent <= timeout:
         return None
     beat_silent = now - w.last_beat_change
-    reconnecting = not getattr(w, "beat_since_gap", True) and silent <= 2 * timeout
+    reconnecting = not w.beat_since_gap and silent <= 2 * timeout
     if w.last_beat is not None and beat_silent > timeout / 2 and not reconnecting:
         where = f"after step {w.last_step}" if w.last_step is not None else "while regrouping"
         return Hang(f"frozen: no progress for {silent:.1f} s {where} and no liveness beat for {beat_silent:.1f} s "
