@@ -22,8 +22,10 @@ Errors that are not a peer's fault (a bug, a bad batch) are raised: the process 
 controller treats it as an application error (restart from the checkpoint, counted against max_retries).
 A survivor that waits longer than `resilience.recovery_timeout_s` for a new generation exits with code 3.
 
-Rank 0 of each generation writes the recovery to `metrics.jsonl` (fault_detected, generation, pg_rebuilt,
-state_restored with bytes and seconds, resumed) and tells the controller (`protocol.recovered_key`).
+Rank 0 of the generation that restores writes the recovery to `metrics.jsonl` (fault_detected, generation,
+pg_rebuilt, state_restored with bytes and seconds, resumed) and tells the controller (`protocol.recovered_key`).
+A generation that fails before it restored writes none of it: the next one records the whole recovery, from the
+first fault (`failed_generations` counts the attempts).
 
 Which failures are a peer's: `faults.py`; letting go of a generation's groups: `groups.py`. Knows nothing about
 the controller beyond `protocol`, how the model is parallelised, or what the training state holds (`Trainer`,
@@ -287,8 +289,9 @@ class CheckpointlessRun:
         return None if self.backend == "gloo" else dist.new_group(backend="gloo")
 
     def _record_fault(self, trainer, infos: list[dict]) -> list[dict] | None:
-        """Rank 0, after a fault: what happened and how the generation formed (metrics.jsonl), before any
-        state moves. Returns the events told so far (None on other ranks and on a first start)."""
+        """Rank 0, after a fault: what happened and how the generation formed, before any state moves. Returns
+        those events (None on other ranks and on a first start); `_record_restored` writes them once the state
+        is restored, so a generation that fails half-way leaves no partial recovery in metrics.jsonl."""
         faults = [i["fault"] for i in infos if i["fault"] is not None]
         if dist.get_rank() != 0 or not faults:
             return None
@@ -303,24 +306,23 @@ class CheckpointlessRun:
         first = min(faults, key=lambda f: f["at"])
         t0 = first["at"]
         fresh = [i["rank"] for i in infos if i["fault"] is None]
-        self._event(trainer, told, "fault_detected", at=first["at"], generation=first["generation"],
+        self._event(told, "fault_detected", at=first["at"], generation=first["generation"],
                     step=first["step"], what=first["what"], detected_by=len(faults),
                     failed_generations=1 + max(f.get("again", 0) for f in faults))
         phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
-        self._event(trainer, told, "generation", generation=self.generation, world_size=len(infos),
+        self._event(told, "generation", generation=self.generation, world_size=len(infos),
                     survivors=len(faults), replacements=fresh,
                     rejoin_started_at=min((i["process_started_at"] for i in infos if i["fault"] is None),
                                           default=None),
                     phases_since_fault_s=phases)
-        self._event(trainer, told, "pg_rebuilt", generation=self.generation,
+        self._event(told, "pg_rebuilt", generation=self.generation,
                     seconds=round(max(i["marks"]["pg"] - i["marks"]["arrived"] for i in infos), 4),
                     all_arrived_after_fault_s=round(max(i["marks"]["arrived"] for i in infos) - t0, 4))
         return told
 
     @staticmethod
-    def _event(trainer, told: list[dict], kind: str, **fields) -> None:
-        """To metrics.jsonl, and (in `_record_restored`) to the controller's events."""
-        trainer.metrics.event(kind, **fields)
+    def _event(told: list[dict], kind: str, **fields) -> None:
+        """A recovery event, written by `_record_restored` to metrics.jsonl and the controller's events."""
         told.append({"event": kind, **fields})
 
     def _record_restored(self, trainer, plan, infos: list[dict], start: float, moved: int,
@@ -336,13 +338,15 @@ class CheckpointlessRun:
                   else "peer-memory")
         summary = {"source": source, "step": step, "bytes": moved, "seconds": round(time.time() - start, 4),
                    "transfers": len(plan.transfers), "reason": plan.reason or None}
-        self._event(trainer, told, "state_restored", **summary)
+        self._event(told, "state_restored", **summary)
         resumed = {"step": step, "samples_consumed": trainer.progress.samples_consumed, "world_size": len(infos),
                    "recovery": "checkpointless" if plan.kind == "memory" else "checkpoint",
                    "steps_lost": max(0, max(held) - step) if held else None}
         if plan.kind == "disk" and trainer.resumed_from is not None:
             resumed = {**trainer.resumed_from, **resumed}
-        self._event(trainer, told, "resumed", **resumed)
+        self._event(told, "resumed", **resumed)
+        for event in told:
+            trainer.metrics.event(event["event"], **{k: v for k, v in event.items() if k != "event"})
         try:
             self.membership.report_recovered(self.generation, {**summary, "generation": self.generation,
                                                                "fault": first["what"], "events": told})
