@@ -20,6 +20,7 @@ import pytest
 
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import run_training, tiny_config
+from phalanx import protocol
 from phalanx.control.client.cluster import ClusterClient, create_cluster
 from phalanx.control.client.jobs import JobClient
 from test_jobs import step_at_least, write_config, write_spec
@@ -258,7 +259,12 @@ def test_a_second_node_lost_during_recovery_ends_in_a_recovered_job(tmp_path, ho
     assert info["state"] == "succeeded" and info["last_step"] == 2 * STEPS, info["reason"]
     outcomes = [g["outcome"] for g in info["generations"]]
     assert outcomes[-1] == "succeeded" and "regroup-failed" not in outcomes, outcomes
-    assert all(o == "node-fault" for o in outcomes[:-1]), outcomes
+    # A survivor caught in gloo's connect to the node killed mid-forming gives up after `stuck_grace_s` and exits
+    # with EXIT_STUCK once the next generation is out (it was carried into it): a process fault whose fresh
+    # process takes the rank. Any other process fault is a bug.
+    stuck = f"exited with code {protocol.EXIT_STUCK}"
+    assert all(g["outcome"] == "node-fault" or (g["outcome"] == "process-fault" and stuck in g["end_reason"])
+               for g in info["generations"][:-1]), [(g["outcome"], g["end_reason"]) for g in info["generations"]]
     events = assert_same_losses(run_dir, reference["hsdp"], second)
     assert_recovery_ledger(events, second)
     assert all(e["steps_lost"] == 0 for e in events if e["event"] == "resumed"), events
