@@ -120,7 +120,7 @@ class FakeBackend:
         self.calls.append(("launch", node.name))
         if self.launch_error is not None:
             raise OSError(self.launch_error)
-        handle = next(self._handles)
+        handle = str(next(self._handles))  # opaque to policy, like every backend's
         self.handles[node.name] = handle
         self.running.add(node.name)
         return handle
@@ -128,24 +128,24 @@ class FakeBackend:
     def gone(self, node: Node) -> str | None:
         if node.name in self.running:
             return None
-        return self.ended.get(node.name, f"agent process {node.pid} is no longer running")
+        return self.ended.get(node.name, f"agent process {node.handle} is no longer running")
 
     def terminate(self, node: Node) -> None:
         self.calls.append(("terminate", node.name))
         if node.name in self.running and node.name not in self.stubborn:
-            self.end(node.name, f"agent process {node.pid} {describe_exit(0)}")
+            self.end(node.name, f"agent process {node.handle} {describe_exit(0)}")
 
     def kill(self, node: Node) -> list[int]:
         self.calls.append(("kill", node.name))
         if node.name not in self.running:
             return []
-        self.end(node.name, f"agent process {node.pid} {describe_exit(-signal.SIGKILL)}")
-        return [self.handles[node.name]]
+        self.end(node.name, f"agent process {node.handle} {describe_exit(-signal.SIGKILL)}")
+        return [int(self.handles[node.name])]
 
     def freeze(self, node: Node) -> None:
         self.calls.append(("freeze", node.name))
         if node.name not in self.running:
-            raise ProcessLookupError(f"node {node.name}: agent process {node.pid} is not running")
+            raise ProcessLookupError(f"node {node.name}: agent process {node.handle} is not running")
         self.frozen.add(node.name)
 
     def signal_worker(self, node: Node, pid: int, sig: signal.Signals) -> None:
@@ -221,9 +221,9 @@ class FakeAgent:
         busbw=G                the bus bandwidth its deep-check probes measure (GB/s)
     """
 
-    def __init__(self, cluster: FakeCluster, name: str, handle: int, *, register: bool = True,
+    def __init__(self, cluster: FakeCluster, name: str, handle: str, *, register: bool = True,
                  lifecycle_code: int = 0, lifecycle_tail: str = "", health_ok: bool = True, busbw: float = 1.0):
-        self.cluster, self.name, self.pid = cluster, name, handle
+        self.cluster, self.name, self.handle = cluster, name, handle
         self.register, self.lifecycle_code, self.lifecycle_tail = register, lifecycle_code, lifecycle_tail
         self.health_ok, self.busbw = health_ok, busbw
         self.beats = 0
@@ -278,7 +278,8 @@ class FakeAgent:
 
     # ---- heartbeats -----------------------------------------------------------------------------------------
     def body(self) -> dict:
-        return {"pid": self.pid, "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
+        return {"protocol": protocol.PROTOCOL_VERSION, "handle": self.handle, "phase": self.phase,
+                "lifecycle": self.lifecycle, "health": self.health,
                 "sent_at": self.clock(), "workers": [w.as_report() for w in self.workers.values()],
                 "reply_sent_at": self.reply_sent_at, "deep_check": self.deep_result,
                 "standbys": {str(k): v for k, v in self.standbys.items()}}
@@ -309,7 +310,7 @@ class FakeAgent:
                 self._stop(w)
         self.exited = True
         if self.name in self.cluster.backend.running:
-            self.cluster.backend.end(self.name, f"agent process {self.pid} {describe_exit(0)} ({why})")
+            self.cluster.backend.end(self.name, f"agent process {self.handle} {describe_exit(0)} ({why})")
 
     # ---- workers (`supervisor.WorkerSupervisor`) ------------------------------------------------------------
     def apply(self, assignments: list[dict], standby: int) -> None:
@@ -527,7 +528,7 @@ class FakeCluster:
         agent.beats += 1
         store, name = self.store, agent.name
         node = store.node(name)
-        if node is None or node.state == S.TERMINATED or (node.pid is not None and body["pid"] != node.pid):
+        if node is None or node.state == S.TERMINATED or (node.handle is not None and body["handle"] != node.handle):
             agent.handle_reply(None, body)
             return None
         reply = answer_heartbeat(store, self.jobs, self.deep, self.started_at, node, Heartbeat.model_validate(body),

@@ -47,7 +47,7 @@ class Cluster:
     def launch(self):
         node = self.store.add_node("workers", is_spare=False, work_root=self.backend.work_root(), reason="test")
         handle = self.backend.launch(node)
-        self.store.update_node(node.name, pid=handle)
+        self.store.update_node(node.name, handle=handle)
         node = self.store.node(node.name)
         self.launched.append(node)
         return node
@@ -75,19 +75,21 @@ def test_make_backend_gives_a_backend_and_refuses_one_not_built(cluster):
 
 def test_a_launched_node_runs_until_terminated_then_says_how_it_ended(cluster):
     node = cluster.launch()
-    assert isinstance(node.pid, int) and node.pid > 0
+    assert isinstance(node.handle, str) and node.handle  # opaque: each backend means its own thing by it
     assert cluster.backend.gone(node) is None
     assert node.work_dir.startswith(str(cluster.backend.work_root()))
     cluster.backend.terminate(node)
     why = wait_for(lambda: cluster.backend.gone(node), 10, "the node to end after terminate")
-    assert str(node.pid) in why
+    assert node.handle in why
     cluster.backend.terminate(node)  # a node already gone: nothing happens
 
 
 def test_kill_ends_the_whole_node_at_once(cluster):
     node = cluster.launch()
     killed = cluster.backend.kill(node)
-    assert node.pid in killed
+    assert killed  # what was signalled
+    if cluster.spec.backend == "local":
+        assert int(node.handle) in killed  # the agent itself, with its session
     wait_for(lambda: cluster.backend.gone(node), 5, "the killed node to be gone")
 
 
@@ -109,7 +111,7 @@ def test_signal_worker_reaches_only_the_nodes_own_workers(cluster):
         with pytest.raises(ProcessLookupError):
             cluster.backend.signal_worker(node, stranger.pid, signal.SIGKILL)
         with pytest.raises(ProcessLookupError):  # nor the agent itself
-            cluster.backend.signal_worker(node, node.pid, signal.SIGKILL)
+            cluster.backend.signal_worker(node, int(node.handle), signal.SIGKILL)
         assert stranger.poll() is None and cluster.backend.gone(node) is None
     finally:
         stranger.kill()
@@ -131,3 +133,25 @@ def test_teardown_stops_every_running_node_and_sweep_finds_nothing_left(cluster)
     assert all(cluster.backend.gone(n) for n in nodes)
     assert cluster.backend.sweep(cluster.store.nodes()) == []
     assert cluster.backend.teardown(nodes, grace_s=3.0) == 0
+
+
+def test_a_state_db_from_before_node_handles_keeps_its_agents(tmp_path):
+    """A cluster made by a Phalanx that kept the agent's pid in `nodes.pid` (protocol 1): opening its state.db
+    copies each pid into the opaque `handle`, so `cluster delete` still finds and stops those agents."""
+    import sqlite3
+
+    from phalanx.control.state.schema import SCHEMA
+
+    db = tmp_path / "state.db"
+    old = SCHEMA.replace("last_heartbeat REAL, handle TEXT,", "last_heartbeat REAL, pid INTEGER,")
+    assert old != SCHEMA
+    with sqlite3.connect(db) as conn:
+        conn.executescript(old)
+        conn.execute("INSERT INTO groups (name, instance_type, count, spares) VALUES ('workers', 'local.cpu-1', 1, 0)")
+        conn.execute("INSERT INTO nodes (name, group_name, state, is_spare, pid, work_dir, created_at, state_since) "
+                     "VALUES ('workers-0', 'workers', 'healthy', 0, 4242, '/w', 0, 0)")
+    store = Store(db)
+    try:
+        assert store.node("workers-0").handle == "4242"
+    finally:
+        store.close()

@@ -60,7 +60,7 @@ def live(nodes: dict[str, dict]) -> dict[str, dict]:
 
 
 def agent_alive(node: dict) -> bool:
-    return process_running(node["pid"], AGENT_MODULE)
+    return process_running(int(node["handle"]), AGENT_MODULE)  # a local node's handle is its agent's pid
 
 
 def http(method: str, url: str, token: str | None = None) -> int:
@@ -362,7 +362,7 @@ def test_failed_lifecycle_script_is_reported_with_its_output_and_nothing_runs(tm
         assert controller_pid(paths) is None
         store = Store(paths.db)
         assert store.cluster()["status"] == "failed"
-        assert all(n.state == NodeState.TERMINATED and not process_running(n.pid, AGENT_MODULE)
+        assert all(n.state == NodeState.TERMINATED and not process_running(int(n.handle), AGENT_MODULE)
                    for n in store.nodes())
         store.close()
     assert processes_mentioning(str(home)) == []
@@ -392,8 +392,8 @@ def test_controller_sigkill_and_restart_leave_agents_untouched(tmp_path, home):
     after = wait_for(fresh_heartbeats, 30, "every agent's heartbeat to reach the restarted controller")
     time.sleep(1.0)
     after = nodes_by_name(client)
-    same = {k: (n["pid"], "healthy") for k, n in before.items()}
-    assert {k: (n["pid"], n["state"]) for k, n in after.items()} == same
+    same = {k: (n["handle"], "healthy") for k, n in before.items()}
+    assert {k: (n["handle"], n["state"]) for k, n in after.items()} == same
     events = client.events()
     assert not [e for e in events if e["to_state"] == "faulty"]
     assert any(e["kind"] == "controller" and "restarted" in e["reason"] for e in events)
@@ -423,7 +423,7 @@ def test_delete_leaves_no_process_behind(tmp_path, home):
     assert "still running" not in result.output  # nothing needed the fallback kill
     assert not ClusterPaths.for_name("c1").root.exists()
     assert not process_running(ctl, "phalanx")
-    assert not any(process_running(n["pid"], AGENT_MODULE) for n in nodes)
+    assert not any(process_running(int(n["handle"]), AGENT_MODULE) for n in nodes)
     assert not any(process_running(p, "sleep") for p in daemons)
     assert processes_mentioning(str(home)) == []
 

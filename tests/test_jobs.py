@@ -279,7 +279,7 @@ def test_refused_submits_start_nothing_and_a_torch_distributed_command_runs(tmp_
     assert code == 2 and "--name 'no spaces'" in flat(out)
     assert jobs.list() == [] and not (home / "clusters/c1/jobs").exists() and not (tmp_path / "run").exists()
     for node in client.nodes():
-        assert session_members(node["pid"]) == [node["pid"]], "only the agent runs on each node"
+        assert session_members(int(node["handle"])) == [int(node["handle"])], "only the agent runs on each node"
 
     script = ("import os, torch, torch.distributed as d; d.init_process_group('gloo'); r = d.get_rank(); "
               "t = torch.tensor([r + 1.0]); d.all_reduce(t); "

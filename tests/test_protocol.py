@@ -35,7 +35,7 @@ def test_the_same_version_passes():
 
 
 def test_a_heartbeat_with_an_unknown_field_is_refused_naming_it():
-    body = {"protocol": protocol.PROTOCOL_VERSION, "pid": 1, "phase": "ready", "sent_at": 0.0, "wrokers": []}
+    body = {"protocol": protocol.PROTOCOL_VERSION, "handle": "1", "phase": "ready", "sent_at": 0.0, "wrokers": []}
     with pytest.raises(ValidationError, match="wrokers"):
         Heartbeat.model_validate(body)
 

@@ -75,7 +75,7 @@ and `read_progress` import torch.distributed when used.
 # the contract in one flat namespace: `from phalanx import protocol` then `protocol.RANK`, `protocol.rank_of`
 from phalanx.protocol.env import (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, JOB_ID,
     GENERATION, STORE_ADDR, CHECKPOINT_DIR, CLUSTER_TOKEN, CONFIG, NODE, STANDBY_ID, RECOVERY, CHECKPOINTLESS,
-    TRAIN_WORKER_MODULE, ACTIVATED_AT, EXIT_STUCK, rank_of, WorkerPlacement, worker_env, parse_store_addr)
+    TRAIN_WORKER_MODULE, NODE_HANDLE, ACTIVATED_AT, EXIT_STUCK, rank_of, WorkerPlacement, worker_env, parse_store_addr)
 from phalanx.protocol.keys import (generation_prefix, progress_key, alive_key, generation_key, layout_key,
     pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, publish_generation, read_progress)
 from phalanx.protocol.store import (store_namespace, namespaced, serve_store, connect_store, env_rendezvous_store,

@@ -46,7 +46,7 @@ class Heartbeat(_Message):
     """Agent → controller, every `heartbeat_interval_s`."""
 
     protocol: int | None = None  # the agent's PROTOCOL_VERSION (None: an agent older than versioning)
-    pid: int
+    handle: str  # the node's opaque handle: `PHALANX_NODE_HANDLE` from its backend, else the agent's pid
     phase: str
     lifecycle: dict | None = None
     health: dict | None = None

@@ -7,7 +7,7 @@ Bump it when a message, env variable or store key changes meaning (adding an opt
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a heartbeat names its node by an opaque `handle`, no longer by `pid`
 PROTOCOL_ENV = "PHALANX_PROTOCOL"
 
 

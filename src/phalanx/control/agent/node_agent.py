@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from phalanx.control.agent import health
-from phalanx.protocol import PROTOCOL_VERSION, ProtocolMismatch, check_version
+from phalanx.protocol import NODE_HANDLE, PROTOCOL_VERSION, ProtocolMismatch, check_version
 from phalanx.protocol.messages import HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
@@ -78,6 +78,7 @@ class Agent:
     def __init__(self, cfg: dict):
         self.cfg = cfg
         self.name: str = cfg["node"]
+        self.handle = os.environ.get(NODE_HANDLE) or str(os.getpid())  # who the controller knows as this node
         self.work_dir = Path(cfg["work_dir"])
         self.token = Path(cfg["token_file"]).read_text().strip()
         self.endpoint_file = Path(cfg["endpoint_file"])
@@ -202,7 +203,7 @@ class Agent:
 
     def heartbeat_body(self) -> dict:
         with self.lock:
-            return {"protocol": PROTOCOL_VERSION, "pid": os.getpid(), "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
+            return {"protocol": PROTOCOL_VERSION, "handle": self.handle, "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
                     "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at,
                     "deep_check": self.deep.result(), "standbys": self.workers.standby_ids()}
 

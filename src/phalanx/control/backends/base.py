@@ -3,8 +3,9 @@
 
 A node is known to policy by its row in the cluster's store (`state.store.Node`); what the backend needs to
 find it again — the local backend's agent pid, later a Slurm step — is the opaque *handle* `launch` returns,
-which the store keeps (`Node.pid` today: for the local backend, the agent's pid) and every heartbeat
-confirms. Policy never reads a handle's meaning, never signals a process itself, never scans /proc.
+which the store keeps (`Node.handle`: for the local backend, the agent's pid as text) and every
+heartbeat confirms (`Heartbeat.handle`: the agent reports `PHALANX_NODE_HANDLE` when its backend set it, else
+its pid). Policy never reads a handle's meaning, never signals a process itself, never scans /proc.
 
 Implementations: `local.py` (each node an agent process on this machine). The contract every backend must
 keep is tests/test_backends.py, run against each of them.
@@ -23,7 +24,7 @@ from phalanx.control.state.store import Node
 
 @runtime_checkable
 class Backend(Protocol):
-    def launch(self, node: Node) -> int:
+    def launch(self, node: Node) -> str:
         """Start the node's agent (it registers itself by heartbeat). Returns the node's handle. OSError when
         the node cannot be started (the reconciler marks it faulty)."""
 

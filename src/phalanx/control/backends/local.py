@@ -2,7 +2,8 @@
 session (so the session is the node: the agent, its lifecycle script, and its workers, each worker in a
 process group of its own inside that session), with its own work dir.
 
-    launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent.node_agent` → pid
+    launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent.node_agent` → handle:
+                      the agent's pid, as text (the store keeps it opaque)
     gone(node)        None while the node's agent runs, else why it is gone (exit code / signal)
     terminate(node)   SIGTERM the agent (it stops its workers and exits); SIGCONT in case it is frozen
     kill(node)        SIGKILL the whole node (its session) — what a power loss does
@@ -124,6 +125,11 @@ def session_members(sid: int) -> list[int]:
     return found
 
 
+def _pid(node: Node) -> int | None:
+    """The agent's pid: what a local node's handle holds."""
+    return int(node.handle) if node.handle else None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -167,7 +173,7 @@ class LocalBackend:
                 umask=PRIVATE_UMASK,
             )
         self._children[node.name] = proc
-        return proc.pid
+        return str(proc.pid)
 
     def gone(self, node: Node) -> str | None:
         """None while the node's agent process runs; otherwise a phrase saying how it ended."""
@@ -175,27 +181,28 @@ class LocalBackend:
         if child is not None:
             code = child.poll()
             return None if code is None else f"agent process {child.pid} {describe_exit(code)}"
-        if process_running(node.pid, self._marker(node)):
+        if process_running(_pid(node), self._marker(node)):
             return None
-        return f"agent process {node.pid} is no longer running"
+        return f"agent process {node.handle} is no longer running"
 
     def _signal_agent(self, node: Node, sig: signal.Signals) -> bool:
-        if node.pid and self.gone(node) is None:
-            os.kill(node.pid, sig)
+        if node.handle and self.gone(node) is None:
+            os.kill(_pid(node), sig)
             return True
         return False
 
     def terminate(self, node: Node) -> None:
         if self._signal_agent(node, signal.SIGTERM):
-            os.kill(node.pid, signal.SIGCONT)
+            os.kill(_pid(node), signal.SIGCONT)
 
     def freeze(self, node: Node) -> None:
         if not self._signal_agent(node, signal.SIGSTOP):
-            raise ProcessLookupError(f"node {node.name}: agent process {node.pid} is not running")
+            raise ProcessLookupError(f"node {node.name}: agent process {node.handle} is not running")
 
     def signal_worker(self, node: Node, pid: int, sig: signal.Signals) -> None:
         """Send `sig` to one worker process of `node` (refused for a pid outside the node or its agent)."""
-        if not node.pid or pid == node.pid or pid not in session_members(node.pid):
+        agent = _pid(node)
+        if not agent or pid == agent or pid not in session_members(agent):
             raise ProcessLookupError(f"process {pid} is not a running worker of node {node.name}")
         os.kill(pid, sig)
 
@@ -207,9 +214,9 @@ class LocalBackend:
 
     def kill(self, node: Node) -> list[int]:
         """SIGKILL every process of the node (the agent's session). Returns the pids signalled."""
-        if not node.pid:
+        if not node.handle:
             return []
-        members = session_members(node.pid)  # the agent, its lifecycle script, its workers
+        members = session_members(_pid(node))  # the agent, its lifecycle script, its workers
         for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -228,7 +235,7 @@ class LocalBackend:
         return {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
     def teardown(self, nodes: list[Node], grace_s: float) -> int:
-        running = [n for n in nodes if n.pid and self.gone(n) is None]
+        running = [n for n in nodes if n.handle and self.gone(n) is None]
         for n in running:
             self.terminate(n)
         deadline = time.monotonic() + grace_s
@@ -241,8 +248,8 @@ class LocalBackend:
     def sweep(self, nodes: list[Node]) -> list[int]:
         victims: set[int] = set()
         for n in nodes:
-            if n.pid and process_running(n.pid, self._marker(n)):
-                victims.update(session_members(n.pid))
+            if n.handle and process_running(_pid(n), self._marker(n)):
+                victims.update(session_members(_pid(n)))
         victims.update(p for p in processes_mentioning(str(self.paths.root))
                        if CONTROLLER_MODULE in cmdline(p) or AGENT_MODULE in cmdline(p))
         killed = []

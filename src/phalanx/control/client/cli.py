@@ -156,7 +156,7 @@ def _print_describe(info: dict) -> None:
 @cluster_app.command("list-nodes")
 def list_nodes(name: Optional[str] = NameArg, all_nodes: bool = typer.Option(False, "--all", help="include terminated"),
                as_json: bool = typer.Option(False, "--json")) -> None:
-    """Name, group, role, state, health, job, pid and last heartbeat of every node."""
+    """Name, group, role, state, health, job, agent handle and last heartbeat of every node."""
     from phalanx.control.client.cluster import ClusterClient
 
     client = _guard(lambda: ClusterClient(name))
@@ -168,10 +168,10 @@ def list_nodes(name: Optional[str] = NameArg, all_nodes: bool = typer.Option(Fal
     if as_json:
         out.print_json(json.dumps(nodes))
         return
-    t = Table("node", "group", "role", "state", "health", "job", "pid", "last heartbeat", "reason")
+    t = Table("node", "group", "role", "state", "health", "job", "agent", "last heartbeat", "reason")
     for n in nodes:
         t.add_row(n["name"], n["group"], "spare" if n["is_spare"] else "member", n["state"], _health(n["health"]),
-                  n["job"] or "-", str(n["pid"] or "-"), _ago(n["last_heartbeat"]),
+                  n["job"] or "-", str(n["handle"] or "-"), _ago(n["last_heartbeat"]),
                   _first_line(n["reason"], 60))
     out.print(t)
 

@@ -76,7 +76,7 @@ class Reconciler:
     # ---- observe ------------------------------------------------------------------------------------
     def observe(self, node: Node, now: float) -> None:
         h = self.spec.health
-        gone = self.backend.gone(node) if node.pid else None
+        gone = self.backend.gone(node) if node.handle else None
         if gone:
             return self.fault(node, gone)
         state, report = node.state, node.report or {}
@@ -86,9 +86,9 @@ class Reconciler:
                     self.fault(node, f"agent did not register within provision_timeout_s={h.provision_timeout_s:g}")
                 return
             script = self.spec.group(node.group).on_create
-            node = self.store.transition(node.name, S.CONFIGURING, f"agent registered (pid {node.pid}); "
+            node = self.store.transition(node.name, S.CONFIGURING, f"agent registered (handle {node.handle}); "
                                          f"running lifecycle script {script}" if script else
-                                         f"agent registered (pid {node.pid}); no lifecycle script")
+                                         f"agent registered (handle {node.handle}); no lifecycle script")
             state = node.state
         silent = now - max(node.last_heartbeat, self.started_at)
         if silent > h.heartbeat_timeout_s:
@@ -220,7 +220,7 @@ class Reconciler:
         for node in self.store.nodes(include_terminated=False):
             if node.state != S.REPLACING:
                 continue
-            gone = self.backend.gone(node) if node.pid else "never started"
+            gone = self.backend.gone(node) if node.handle else "never started"
             if gone:
                 leftovers = self.backend.kill(node)  # whatever the agent left in its process group
                 self.backend.forget(node)
@@ -259,10 +259,10 @@ class Reconciler:
         node = self.store.add_node(group, is_spare=is_spare, work_root=self.backend.work_root(),
                                    reason=reason)
         try:
-            pid = self.backend.launch(node)
+            handle = self.backend.launch(node)
         except OSError as err:
             self.fault(node, f"could not start the agent: {err}")
             return
-        self.store.update_node(node.name, pid=pid)
-        log.info("provisioning %s (%s, agent pid %d): %s", node.name, "spare" if is_spare else "member", pid,
+        self.store.update_node(node.name, handle=handle)
+        log.info("provisioning %s (%s, agent %s): %s", node.name, "spare" if is_spare else "member", handle,
                  reason)

@@ -195,7 +195,7 @@ class JobScheduler(Admission, Assignments):
         for name in gen.nodes:
             node = self.store.node(name)
             rows = [w for w in self.records.workers(job=gen.job, generation=gen.generation, node=name) if w.live]
-            gone = node is None or node.state == S.TERMINATED or (node.pid and self.backend.gone(node))
+            gone = node is None or node.state == S.TERMINATED or (node.handle and self.backend.gone(node))
             if gone:
                 if node is not None and node.state != S.TERMINATED:
                     self.backend.kill(node)  # whatever of the node survived its agent dies with it

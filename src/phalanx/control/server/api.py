@@ -2,7 +2,7 @@
 anything else gets 401.
 
     GET    /v1/cluster                  describe: status, groups (counts, spares), controller, store address
-    GET    /v1/nodes                    every node (terminated ones too): state, health, heartbeat, pid, ...
+    GET    /v1/nodes                    every node (terminated ones too): state, health, heartbeat, handle, ...
     GET    /v1/nodes/{name}             one node
     GET    /v1/events?since_id=&node=&limit=
     POST   /v1/nodes/{name}/heartbeat   agent → controller: phase, lifecycle result, health, its workers
@@ -171,8 +171,8 @@ def build_app(ctl) -> FastAPI:
         node = node_or_404(name)
         if node.state == S.TERMINATED:
             raise HTTPException(410, f"node {name} is terminated ({node.reason})")
-        if node.pid is not None and hb.pid != node.pid:
-            raise HTTPException(410, f"node {name} is run by agent pid {node.pid}, not {hb.pid}")
+        if node.handle is not None and hb.handle != node.handle:
+            raise HTTPException(410, f"node {name} is run by the agent with handle {node.handle}, not {hb.handle}")
         return answer_heartbeat(store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time())
 
     @app.post("/v1/nodes/{name}/faults", status_code=202)
@@ -193,7 +193,7 @@ def build_app(ctl) -> FastAPI:
             what = f"SIGKILL sent to the node's processes {pids}"
         else:
             ctl.backend.freeze(node)
-            what = f"SIGSTOP sent to agent pid {node.pid}: it stays alive but stops heartbeating"
+            what = f"SIGSTOP sent to the agent ({node.handle}): it stays alive but stops heartbeating"
         reason = f"fault injected by operator: {req.kind}; {what}"
         store.record_event(E.FAULT_INJECTED, reason, node=name)
         ctl.log.warning("node %s: %s", name, reason)

@@ -203,10 +203,10 @@ class Controller:
         for n in nodes:
             self.backend.terminate(n)
         deadline = time.monotonic() + TERMINATE_GRACE_S
-        while time.monotonic() < deadline and any(n.pid and self.backend.gone(n) is None for n in nodes):
+        while time.monotonic() < deadline and any(n.handle and self.backend.gone(n) is None for n in nodes):
             time.sleep(0.05)
         for n in nodes:
-            stubborn = n.pid and self.backend.gone(n) is None
+            stubborn = n.handle and self.backend.gone(n) is None
             if stubborn:
                 log.warning("node %s did not stop within %.0f s of SIGTERM; SIGKILL", n.name, TERMINATE_GRACE_S)
             self.backend.kill(n)  # the agent if stubborn, and anything left in its process group

@@ -1,6 +1,6 @@
 """Answering one agent heartbeat: record what the node reports (its phase, health, workers), then build the
 reply (what the node must run, or that it must terminate). The HTTP handler (`api.py`) refuses first what
-it must (another protocol version, a terminated node, another agent's pid) and calls this; the policy
+it must (another protocol version, a terminated node, another agent's handle) and calls this; the policy
 tests' fake agents call it too, so they exercise the same handling.
 
 Must not know: HTTP, processes.
@@ -18,7 +18,7 @@ ENDED = (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus
 def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node: Node, hb: Heartbeat,
                      now: float) -> dict:
     """The reply to `hb` from `node` (already checked to be its agent's), as sent on the wire."""
-    store.update_node(node.name, last_heartbeat=now, pid=hb.pid, health=hb.health,
+    store.update_node(node.name, last_heartbeat=now, handle=hb.handle, health=hb.health,
                       report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
                               "standbys": hb.standbys})
     jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)

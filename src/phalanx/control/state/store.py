@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from phalanx.control.spec import ClusterSpec
+from phalanx.control.state.schema import SCHEMA, migrate
 from phalanx.observability.events import EventKind, event_kind
 
 
@@ -67,71 +68,6 @@ class ClusterStatus(str, Enum):
     DELETED = "deleted"
 
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS cluster (
-    name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, status TEXT NOT NULL, status_reason TEXT,
-    created_at REAL NOT NULL, controller_pid INTEGER, controller_started_at REAL,
-    api_host TEXT, api_port INTEGER, store_port INTEGER
-);
-CREATE TABLE IF NOT EXISTS groups (
-    name TEXT PRIMARY KEY, instance_type TEXT NOT NULL, count INTEGER NOT NULL, spares INTEGER NOT NULL,
-    on_create TEXT, next_index INTEGER NOT NULL DEFAULT 0,
-    provision_failures INTEGER NOT NULL DEFAULT 0   -- consecutive nodes that never became healthy
-);
-CREATE TABLE IF NOT EXISTS nodes (
-    name TEXT PRIMARY KEY, group_name TEXT NOT NULL REFERENCES groups(name), state TEXT NOT NULL,
-    is_spare INTEGER NOT NULL, reason TEXT, health_json TEXT, report_json TEXT, directives_json TEXT,
-    last_heartbeat REAL, pid INTEGER, work_dir TEXT NOT NULL, job TEXT,
-    created_at REAL NOT NULL, state_since REAL NOT NULL,
-    acked_at REAL       -- `sent_at` of the last heartbeat reply the agent says it acted on
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, node TEXT, job TEXT, kind TEXT NOT NULL,
-    from_state TEXT, to_state TEXT, reason TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, name TEXT NOT NULL, state TEXT NOT NULL,
-    kind TEXT NOT NULL,                       -- train (phalanx.worker + config) | command (any argv)
-    group_name TEXT NOT NULL, nodes_requested INTEGER NOT NULL, workers_per_node INTEGER NOT NULL,
-    argv_json TEXT NOT NULL, cwd TEXT NOT NULL, env_json TEXT NOT NULL, config_json TEXT,
-    job_dir TEXT NOT NULL, checkpoint_dir TEXT NOT NULL,
-    nodes_json TEXT NOT NULL DEFAULT '[]',    -- nodes of the current generation, in rank order
-    auto_resume INTEGER NOT NULL, max_retries INTEGER NOT NULL,
-    recovery TEXT NOT NULL DEFAULT 'restart',  -- restart | checkpointless
-    attempts INTEGER NOT NULL DEFAULT 0,      -- generations started
-    retries INTEGER NOT NULL DEFAULT 0,       -- restarts after application errors
-    node_faults INTEGER NOT NULL DEFAULT 0,   -- generations ended by a node fault
-    generation INTEGER NOT NULL DEFAULT 0, last_step INTEGER, reason TEXT,
-    created_at REAL NOT NULL, updated_at REAL NOT NULL, ended_at REAL
-);
-CREATE TABLE IF NOT EXISTS generations (
-    job TEXT NOT NULL REFERENCES jobs(id), generation INTEGER NOT NULL, nodes_json TEXT NOT NULL,
-    master_addr TEXT NOT NULL, master_port INTEGER NOT NULL, store_addr TEXT,
-    started_at REAL NOT NULL,
-    stop_at REAL,          -- workers told to stop (a fault, a cancel); NULL while the generation runs
-    ended_at REAL,         -- every worker confirmed gone (or all exited 0)
-    outcome TEXT,          -- succeeded | node-fault | app-error | cancelled
-    end_reason TEXT, faults_json TEXT NOT NULL DEFAULT '[]',
-    start_step INTEGER,    -- first progress reported (the resumed step)
-    last_step INTEGER, first_step_at REAL,  -- first step finished after start_step
-    restored_json TEXT,    -- checkpointless: how its state was restored (reported by its rank 0)
-    standbys_json TEXT NOT NULL DEFAULT '{}',  -- rank → id of the warm standby told to become it
-    PRIMARY KEY (job, generation)
-);
-CREATE TABLE IF NOT EXISTS workers (
-    job TEXT NOT NULL, generation INTEGER NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL,
-    local_rank INTEGER NOT NULL, pid INTEGER,
-    state TEXT NOT NULL,   -- running | stopping | exited | lost (its node died with it)
-                           -- | carried (a checkpointless survivor: the process serves the next generation)
-    exit_code INTEGER, detail TEXT, hang TEXT, frozen INTEGER NOT NULL DEFAULT 0,  -- hung with its beat stopped
-    stopped INTEGER NOT NULL DEFAULT 0, step INTEGER,
-    started_at REAL, ended_at REAL, PRIMARY KEY (job, generation, rank)
-);
-CREATE INDEX IF NOT EXISTS events_node ON events(node);
-CREATE INDEX IF NOT EXISTS events_job ON events(job);
-"""
-
-
 @dataclass(frozen=True)
 class Node:
     name: str
@@ -143,7 +79,7 @@ class Node:
     report: dict | None  # the agent's latest bring-up report: phase, lifecycle result
     directives: list  # faults waiting to be handed to the agent on its next heartbeat
     last_heartbeat: float | None
-    pid: int | None
+    handle: str | None  # the backend's opaque handle for the node's agent (`Backend.launch`)
     work_dir: str
     job: str | None
     created_at: float
@@ -165,7 +101,7 @@ def _node(row: sqlite3.Row) -> Node:
     return Node(
         name=row["name"], group=row["group_name"], state=NodeState(row["state"]), is_spare=bool(row["is_spare"]),
         reason=row["reason"], health=_loads(row["health_json"]), report=_loads(row["report_json"]),
-        directives=_loads(row["directives_json"]) or [], last_heartbeat=row["last_heartbeat"], pid=row["pid"],
+        directives=_loads(row["directives_json"]) or [], last_heartbeat=row["last_heartbeat"], handle=row["handle"],
         work_dir=row["work_dir"], job=row["job"], created_at=row["created_at"], state_since=row["state_since"],
         acked_at=row["acked_at"],
     )
@@ -187,6 +123,8 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
+        with self._lock:
+            migrate(self._db)
 
     def close(self) -> None:
         with self._lock:
@@ -309,7 +247,7 @@ class Store:
         return found if include_terminated else [n for n in found if n.state != S.TERMINATED]
 
     def update_node(self, name: str, **fields) -> None:
-        """Record observations (heartbeat time, pid, health) — never the state; see `transition`."""
+        """Record observations (heartbeat time, handle, health) — never the state; see `transition`."""
         assert "state" not in fields, "use transition() to change a node's state"
         encoded = {
             (k + "_json" if k in ("health", "report", "directives") else k): (
