@@ -29,6 +29,7 @@ from phalanx.control.client.cluster import ClusterClient, controller_pid, create
 from phalanx.control.client.jobs import JobClient, JobError
 from phalanx.control.state.paths import ClusterPaths, list_clusters
 from phalanx.control.state.store import Store
+from phalanx.protocol.messages import Assignment
 from phalanx.train.checkpoint import committed_steps
 from phalanx.train.config import ConfigError, dump_config
 from phalanx.train.metrics import read_metrics
@@ -228,15 +229,15 @@ def test_a_survivor_that_dies_between_generations_is_the_new_generations_fault(t
         sup.workers[("1", 1, rank)] = w
         return w
 
-    def assignment(generation: int, carry: bool) -> dict:
-        return {"job": "1", "generation": generation, "recovery": "checkpointless", "argv": ["sleep", "30"],
+    def assignment(generation: int, carry: bool) -> Assignment:
+        return Assignment.model_validate({"job": "1", "generation": generation, "recovery": "checkpointless", "argv": ["sleep", "30"],
                 "cwd": str(tmp_path), "env": {}, "log_dir": str(tmp_path), "world_size": 2, "local_world_size": 1,
                 "master_addr": "127.0.0.1", "master_port": 1, "store_addr": "127.0.0.1:2", "checkpoint_dir": "c",
-                "config_path": None, "ranks": [{"rank": 0, "local_rank": 0, "carry": carry}], "progress": {}}
+                "config_path": None, "ranks": [{"rank": 0, "local_rank": 0, "carry": carry}], "progress": {}})
 
     try:
         w = gen1_worker(0)
-        sup.apply([{"job": "1", "generation": 1, "hold": True, "ranks": []}], relay_gap=False)  # between gens
+        sup.apply([Assignment(job="1", generation=1, hold=True)], relay_gap=False)  # between gens
         w.proc.kill()
         w.proc.wait()
         sup.poll()

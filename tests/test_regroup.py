@@ -28,6 +28,7 @@ import pytest
 import torch.distributed as dist
 
 from phalanx import protocol
+from phalanx.protocol.messages import Assignment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -312,11 +313,11 @@ def _supervisor(tmp_path):
     return WorkerSupervisor("n1", "tok", 60.0, wake=lambda: None, work_dir=None)
 
 
-def _assignment(tmp_path, generation: int, **rank) -> dict:
-    return {"job": "7", "generation": generation, "recovery": protocol.CHECKPOINTLESS, "argv": ["false"],
+def _assignment(tmp_path, generation: int, **rank) -> Assignment:
+    return Assignment.model_validate({"job": "7", "generation": generation, "recovery": protocol.CHECKPOINTLESS, "argv": ["false"],
             "cwd": str(tmp_path), "env": {}, "log_dir": str(tmp_path / "logs"), "world_size": 2,
             "local_world_size": 1, "master_addr": "127.0.0.1", "master_port": 1, "store_addr": "",
-            "checkpoint_dir": str(tmp_path), "ranks": [{"rank": 1, "local_rank": 0, **rank}]}
+            "checkpoint_dir": str(tmp_path), "ranks": [{"rank": 1, "local_rank": 0, **rank}]})
 
 
 def test_the_agent_adopts_a_standby_a_failed_generation_activated_as_the_survivor(tmp_path):
@@ -327,7 +328,7 @@ def test_the_agent_adopts_a_standby_a_failed_generation_activated_as_the_survivo
     try:
         sup.standbys[0] = Standby("sb-1", 0, proc)
         # generation 2 activated the standby and failed before this agent heard of it; the controller's hold
-        sup.apply([{"job": "7", "generation": 2, "hold": True, "ranks": []}], relay_gap=False, standby=0)
+        sup.apply([Assignment(job="7", generation=2, hold=True)], relay_gap=False, standby=0)
         assert 0 in sup.standbys and proc.poll() is None, "a held job's node keeps its standbys"
         # generation 3 counts on the slot's survivor: the activated standby
         sup.apply([_assignment(tmp_path, 3, standby="sb-1", carry=True)], relay_gap=False, standby=0)

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from phalanx.protocol.messages import DeepCheckPart
+
 log = logging.getLogger("phalanx.deep_check")
 PROBE_MODULE = "phalanx.control.agent.deep_probe"
 
@@ -30,33 +32,33 @@ class DeepCheckRunner:
 
     def __init__(self, work_dir: Path):
         self.dir = Path(work_dir) / "deep-check"
-        self.round: dict | None = None
+        self.round: DeepCheckPart | None = None
         self.procs: list[tuple[int, subprocess.Popen]] = []
         self.started = 0.0
         self._result: dict | None = None
 
-    def apply(self, assignment: dict | None) -> None:
-        if assignment is None or (self.round is not None and assignment["id"] == self.round["id"]):
+    def apply(self, assignment: DeepCheckPart | None) -> None:
+        if assignment is None or (self.round is not None and assignment.id == self.round.id):
             return
         self.stop()
         self.round, self._result, self.started = assignment, None, time.monotonic()
         a = assignment
         self.dir.mkdir(parents=True, exist_ok=True)
-        world = len(a["nodes"]) * a["procs_per_node"]
-        for local in range(a["procs_per_node"]):
-            rank = a["node_rank"] * a["procs_per_node"] + local
-            env = {**os.environ, **a.get("env", {}), "RANK": str(rank), "WORLD_SIZE": str(world),
-                   "LOCAL_RANK": str(local), "MASTER_ADDR": a["master_addr"], "MASTER_PORT": str(a["master_port"])}
-            out = self.dir / f"{a['id']}-rank{rank}.json"
-            with open(self.dir / f"{a['id']}-rank{rank}.log", "wb") as logf:
+        world = len(a.nodes) * a.procs_per_node
+        for local in range(a.procs_per_node):
+            rank = a.node_rank * a.procs_per_node + local
+            env = {**os.environ, **a.env, "RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_RANK": str(local), "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port)}
+            out = self.dir / f"{a.id}-rank{rank}.json"
+            with open(self.dir / f"{a.id}-rank{rank}.log", "wb") as logf:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", PROBE_MODULE, "--out", str(out), "--size-mb", str(a["size_mb"]),
-                     "--iters", str(a["iters"]), "--timeout-s", str(a["timeout_s"])],
+                    [sys.executable, "-m", PROBE_MODULE, "--out", str(out), "--size-mb", str(a.size_mb),
+                     "--iters", str(a.iters), "--timeout-s", str(a.timeout_s)],
                     env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                     start_new_session=False)
             self.procs.append((rank, proc))
         log.info("deep health check round %s: started %d probe process(es), ranks %d-%d of %d, across %s",
-                 a["id"], len(self.procs), self.procs[0][0], self.procs[-1][0], world, ", ".join(a["nodes"]))
+                 a.id, len(self.procs), self.procs[0][0], self.procs[-1][0], world, ", ".join(a.nodes))
 
     def result(self) -> dict | None:
         """The current round's result once every probe exited (or was killed past the timeout)."""
@@ -64,18 +66,18 @@ class DeepCheckRunner:
             return self._result
         a = self.round
         if any(p.poll() is None for _, p in self.procs):
-            if time.monotonic() - self.started < a["timeout_s"] + 30:
+            if time.monotonic() - self.started < a.timeout_s + 30:
                 return None
             self.stop()
         ranks, problems = [], []
         for rank, proc in self.procs:
-            out = self.dir / f"{a['id']}-rank{rank}.json"
+            out = self.dir / f"{a.id}-rank{rank}.json"
             try:
                 ranks.append(json.loads(out.read_text()))
             except (OSError, json.JSONDecodeError):
-                tail = (self.dir / f"{a['id']}-rank{rank}.log").read_text(errors="replace")[-400:]
+                tail = (self.dir / f"{a.id}-rank{rank}.log").read_text(errors="replace")[-400:]
                 problems.append(f"rank {rank} probe exited with {proc.returncode} and no result: {tail.strip()}")
-        self._result = {"id": a["id"], "ranks": ranks, "problems": problems}
+        self._result = {"id": a.id, "ranks": ranks, "problems": problems}
         return self._result
 
     def stop(self) -> None:

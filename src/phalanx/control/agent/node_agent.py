@@ -209,15 +209,15 @@ class Agent:
 
     def handle_reply(self, reply: dict, body: dict) -> None:
         check_version(reply.get("protocol"), "the controller")
-        reply = HeartbeatReply.model_validate(reply).model_dump()
-        gap = self.relay_gap or reply.get("controller") != self.controller_id
-        self.relay_gap, self.controller_id = False, reply.get("controller")
-        if reply.get("action") != "terminate":
-            self.workers.apply(reply.get("workers", []), relay_gap=gap, standby=int(reply.get("standby", 0)))
-            self.deep.apply(reply.get("deep_check"))
+        reply = HeartbeatReply.model_validate(reply)
+        gap = self.relay_gap or reply.controller != self.controller_id
+        self.relay_gap, self.controller_id = False, reply.controller
+        if reply.action != "terminate":
+            self.workers.apply(reply.workers, relay_gap=gap, standby=reply.standby)
+            self.deep.apply(reply.deep_check)
         self.workers.acknowledged(body["workers"])
-        self.reply_sent_at = reply.get("sent_at")
-        for fault in reply.get("faults", []):
+        self.reply_sent_at = reply.sent_at
+        for fault in reply.faults:
             log.warning("fault injected by operator: %s; the next health check reports it", fault)
             with self.lock:
                 if fault.startswith("xid:"):
@@ -225,8 +225,8 @@ class Agent:
                 else:
                     self.injected.append(fault)
             self.wake_checks.set()
-        if reply.get("action") == "terminate":
-            self.exit_reason = f"controller asked this node to terminate: {reply.get('reason', '')}"
+        if reply.action == "terminate":
+            self.exit_reason = f"controller asked this node to terminate: {reply.reason or ''}"
             self.stop.set()
             self.wake.set()
 

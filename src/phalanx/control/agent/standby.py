@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx import protocol
+from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.worker import STOP_GRACE_S, Worker, own_process_group, signal_group
 
 log = logging.getLogger("phalanx.agent.workers")
@@ -34,20 +35,20 @@ class Standby:
 
 
 class StandbyPool:
-    def _adopt(self, a: dict, r: dict) -> Worker | None:
+    def _adopt(self, a: Assignment, r: RankSlot) -> Worker | None:
         """The warm standby the controller told to become this rank (through the store), if it is alive. A
         standby that an earlier generation activated and this agent never adopted (that generation failed
         first) may be this slot's survivor (`carry`): adopted the same way, or, if it died meanwhile, reported
         as this generation's fault like any survivor that could not be carried (see `_carry`)."""
-        sb = self.standbys.get(r["local_rank"])
-        if not r.get("standby") or sb is None or sb.id != r["standby"]:
+        sb = self.standbys.get(r.local_rank)
+        if not r.standby or sb is None or sb.id != r.standby:
             return None
         code = sb.proc.poll()
-        if code is not None and not r.get("carry"):
+        if code is not None and not r.carry:
             return None
-        del self.standbys[r["local_rank"]]
-        w = Worker(a["job"], a["generation"], r["rank"], r["local_rank"], pid=sb.proc.pid, started_at=time.time(),
-                   proc=sb.proc, log_path=Path(a["log_dir"]) / f"rank{r['rank']}.log", last_change=time.monotonic())
+        del self.standbys[r.local_rank]
+        w = Worker(a.job, a.generation, r.rank, r.local_rank, pid=sb.proc.pid, started_at=time.time(),
+                   proc=sb.proc, log_path=Path(a.log_dir) / f"rank{r.rank}.log", last_change=time.monotonic())
         w.log_path.parent.mkdir(parents=True, exist_ok=True)
         if code is not None:
             self._exited(w, code)
@@ -59,7 +60,7 @@ class StandbyPool:
         self._log_line(w, f"=== phalanx: job {w.job} generation {w.generation} rank {w.rank} on node {self.node}: "
                           f"warm standby {sb.id} (pid {w.pid}) adopted {time.strftime('%H:%M:%S')} ===")
         log.info("warm standby %s (pid %d) became rank %d/%d of job %s generation %d", sb.id, w.pid, w.rank,
-                 a["world_size"], w.job, w.generation)
+                 a.world_size, w.job, w.generation)
         return w
 
     def _keep_standbys(self, wanted: int, stop_extra: bool = True) -> None:

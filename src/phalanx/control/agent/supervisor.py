@@ -2,10 +2,8 @@
 notice exits and hangs, and report them.
 
 An *assignment* (in a heartbeat reply) is one generation of one job on this node:
-
-    {"job", "generation", "argv", "cwd", "env", "log_dir", "world_size", "local_world_size",
-     "master_addr", "master_port", "store_addr", "checkpoint_dir", "config_path",
-     "ranks": [{"rank", "local_rank"}], "progress": {"<rank>": {"step", "beat"}}, "hang_detection": bool}
+`protocol.messages.Assignment` (job, generation, argv, env, the rendezvous, its `ranks` as `RankSlot`s, the
+`progress` the hang rule judges), validated by the agent when the reply arrives.
 
 Workers are started with `protocol.worker_env`, each in a process group of its own (a stop reaches its
 children) inside the node's session (killing the node kills them too). Output goes to LOG_DIR/rank{R}.log,
@@ -14,7 +12,7 @@ SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
 
 Hang detection is `hang.py`'s rule; warm standbys are `standby.py`'s pool (both mixed in here).
 
-Standard library only. Knows nothing about the scheduler's policy.
+Standard library and the protocol's messages only. Knows nothing about the scheduler's policy.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from phalanx import protocol
+from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.hang import judge_hang
 from phalanx.control.agent.standby import Standby, StandbyPool
 from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
@@ -60,38 +59,40 @@ class WorkerSupervisor(StandbyPool):
             self.relay_up = False
 
     # ---- what the controller wants (called with each heartbeat reply) ---------------------------------
-    def apply(self, assignments: list[dict], *, relay_gap: bool, standby: int = 0) -> None:
+    def apply(self, assignments: list[Assignment], *, relay_gap: bool, standby: int = 0) -> None:
         now = time.monotonic()
         with self.lock:
             relay_gap = relay_gap or not self.relay_up
             self.relay_up = True
-            self.held = {a["job"] for a in assignments if a.get("hold")}
-            assignments = [a for a in assignments if not a.get("hold")]
-            self.desired = {(a["job"], a["generation"]) for a in assignments}
+            self.held = {a.job for a in assignments if a.hold}
+            assignments = [a for a in assignments if not a.hold]
+            self.desired = {(a.job, a.generation) for a in assignments}
             for w in self.workers.values():  # waiting for the next generation on purpose: not a hang
                 if w.job in self.held and w.state == "running":
                     w.last_change = w.last_beat_change = now
             for a in assignments:
-                for r in a["ranks"]:
-                    key = (a["job"], a["generation"], r["rank"])
+                for r in a.ranks:
+                    key = (a.job, a.generation, r.rank)
                     w = self.workers.get(key)
                     if w is None:
-                        w = self._carry(a, r) if a.get("recovery") == protocol.CHECKPOINTLESS else None
-                        self.workers[key] = w or self._adopt(a, r) or self._start(a, r["rank"], r["local_rank"])
+                        w = self._carry(a, r) if a.recovery == protocol.CHECKPOINTLESS else None
+                        self.workers[key] = w or self._adopt(a, r) or self._start(a, r.rank, r.local_rank)
                         continue
                     if w.state != "running":
                         continue
-                    w.hang_detection = bool(a.get("hang_detection", True))
+                    w.hang_detection = a.hang_detection
                     if relay_gap:
                         w.last_change = w.last_beat_change = now
                         w.beat_since_gap = False
-                    seen = a.get("progress", {}).get(str(w.rank)) or {}
-                    if seen.get("step") is not None and seen["step"] != w.last_step:
-                        w.last_step, w.last_change = seen["step"], now
-                    if seen.get("beat") is not None:
+                    seen = a.progress.get(str(w.rank))
+                    if seen is None:
+                        continue
+                    if seen.step is not None and seen.step != w.last_step:
+                        w.last_step, w.last_change = seen.step, now
+                    if seen.beat is not None:
                         w.beat_since_gap = True
-                        if seen["beat"] != w.last_beat:
-                            w.last_beat, w.last_beat_change = seen["beat"], now
+                        if seen.beat != w.last_beat:
+                            w.last_beat, w.last_beat_change = seen.beat, now
             for w in self.workers.values():
                 if w.assignment not in self.desired and w.job not in self.held and w.state == "running":
                     self._stop(w, now)
@@ -99,22 +100,22 @@ class WorkerSupervisor(StandbyPool):
             # be the survivor the next one counts on (`_adopt`): none is stopped until that generation comes
             self._keep_standbys(standby, stop_extra=not self.held)
 
-    def _carry(self, a: dict, r: dict) -> Worker | None:
+    def _carry(self, a: Assignment, r: RankSlot) -> Worker | None:
         """Checkpointless: the worker of this job on the same slot (a survivor of an older generation) serves
         the new one, in the same process. When the controller counts on that survivor (`carry`) but it died
         in the meantime, the death is this generation's: it is reported as such (its peers are regrouping with
         it and fail), and the controller starts the next generation — a fresh process here would join a
         generation its peers have already left."""
         def serves(w: Worker) -> bool:
-            return w.state == "running" or (bool(r.get("carry")) and w.state == "exited" and not w.stopped)
+            return w.state == "running" or (r.carry and w.state == "exited" and not w.stopped)
 
-        old = next((w for w in self.workers.values() if w.job == a["job"] and w.local_rank == r["local_rank"]
-                    and w.generation < a["generation"] and serves(w)), None)
+        old = next((w for w in self.workers.values() if w.job == a.job and w.local_rank == r.local_rank
+                    and w.generation < a.generation and serves(w)), None)
         if old is None:
             return None
         del self.workers[(old.job, old.generation, old.rank)]
         old.carried_from = [old.generation, old.rank]
-        old.generation, old.rank = a["generation"], r["rank"]
+        old.generation, old.rank = a.generation, r.rank
         old.last_step, old.last_beat = None, None
         old.last_change = old.last_beat_change = time.monotonic()
         if old.state == "exited":
@@ -137,17 +138,16 @@ class WorkerSupervisor(StandbyPool):
         except OSError as err:
             log.warning("could not write to %s: %s", w.log_path, err)
 
-    def _start(self, a: dict, rank: int, local_rank: int) -> Worker:
+    def _start(self, a: Assignment, rank: int, local_rank: int) -> Worker:
         placement = protocol.WorkerPlacement(
-            job_id=a["job"], generation=a["generation"], rank=rank, world_size=a["world_size"],
-            local_rank=local_rank, local_world_size=a["local_world_size"], master_addr=a["master_addr"],
-            master_port=a["master_port"], store_addr=a["store_addr"], checkpoint_dir=a["checkpoint_dir"],
-            cluster_token=self.token, config_path=a.get("config_path"), node=self.node,
-            recovery=a.get("recovery", "restart"),
+            job_id=a.job, generation=a.generation, rank=rank, world_size=a.world_size,
+            local_rank=local_rank, local_world_size=a.local_world_size, master_addr=a.master_addr,
+            master_port=a.master_port, store_addr=a.store_addr, checkpoint_dir=a.checkpoint_dir,
+            cluster_token=self.token, config_path=a.config_path, node=self.node, recovery=a.recovery or "restart",
         )
-        env = protocol.worker_env(placement, base={**os.environ, **a.get("env", {})})
-        log_path = Path(a["log_dir"]) / f"rank{rank}.log"
-        w = Worker(a["job"], a["generation"], rank, local_rank, pid=None, started_at=time.time(), log_path=log_path,
+        env = protocol.worker_env(placement, base={**os.environ, **a.env})
+        log_path = Path(a.log_dir) / f"rank{rank}.log"
+        w = Worker(a.job, a.generation, rank, local_rank, pid=None, started_at=time.time(), log_path=log_path,
                    last_change=time.monotonic())
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,18 +155,18 @@ class WorkerSupervisor(StandbyPool):
                 out.write(f"=== phalanx: job {w.job} generation {w.generation} rank {rank} on node {self.node}, "
                           f"started {time.strftime('%H:%M:%S')} ===\n".encode())
                 out.flush()
-                w.proc = subprocess.Popen(a["argv"], cwd=a["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                w.proc = subprocess.Popen(a.argv, cwd=a.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=subprocess.STDOUT, **own_process_group())
         except OSError as err:
             w.state, w.exit_code, w.ended_at = "exited", 127, time.time()
-            w.detail = f"could not be started ({' '.join(a['argv'])[:200]} in {a['cwd']}): {err}"
+            w.detail = f"could not be started ({' '.join(a.argv)[:200]} in {a.cwd}): {err}"
             log.error("worker rank %d of job %s generation %d %s; reporting it, the controller decides what happens "
                       "next", rank, w.job, w.generation, w.detail)
             self.wake()
             return w
         w.pid = w.proc.pid
         log.info("started worker rank %d/%d of job %s generation %d (pid %d, MASTER_PORT %s, log %s)", rank,
-                 a["world_size"], w.job, w.generation, w.pid, a["master_port"], log_path)
+                 a.world_size, w.job, w.generation, w.pid, a.master_port, log_path)
         return w
 
     def _stop(self, w: Worker, now: float) -> None:

@@ -16,6 +16,7 @@ from phalanx import protocol
 from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobState
 from phalanx.control.state.store import Node, NodeState
 from phalanx.observability.events import EventKind as E
+from phalanx.protocol.messages import Assignment, Progress, RankSlot, WorkerReport
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
@@ -23,40 +24,39 @@ J, S = JobState, NodeState
 
 class Assignments:
     # ---- heartbeats ---------------------------------------------------------------------------------
-    def ingest(self, node: Node, reports: list[dict], acked_at: float | None) -> None:
+    def ingest(self, node: Node, reports: list[WorkerReport], acked_at: float | None) -> None:
         """Record an agent's worker reports (one row per job, generation and rank)."""
         with self.lock:
             self.records.set_node_ack(node.name, acked_at)
             known = {(w.job, w.generation, w.rank): w for w in self.records.workers(node=node.name)}
             seen = set()
             for r in reports:
-                key = (r["job"], r["generation"], r["rank"])
+                key = (r.job, r.generation, r.rank)
                 seen.add(key)
                 old = known.get(key)
-                row = {"job": r["job"], "generation": r["generation"], "rank": r["rank"], "node": node.name,
-                       "local_rank": r["local_rank"], "pid": r["pid"], "state": r["state"],
-                       "exit_code": r["exit_code"], "detail": r["detail"], "hang": r["hang"],
-                       "frozen": int(r["frozen"]), "stopped": int(r["stopped"]), "step": old.step if old else None,
-                       "started_at": r["started_at"], "ended_at": r["ended_at"]}
+                row = {"job": r.job, "generation": r.generation, "rank": r.rank, "node": node.name,
+                       "local_rank": r.local_rank, "pid": r.pid, "state": r.state, "exit_code": r.exit_code,
+                       "detail": r.detail, "hang": r.hang, "frozen": int(r.frozen), "stopped": int(r.stopped),
+                       "step": old.step if old else None, "started_at": r.started_at, "ended_at": r.ended_at}
                 if old is not None and all(getattr(old, k) == v for k, v in row.items()):
                     continue
                 self.records.put_worker(row)
-                if r.get("carried_from"):  # a survivor now serves this generation
-                    g, rank = r["carried_from"]
-                    seen.add((r["job"], g, rank))
-                    self.records.update_worker(r["job"], g, rank, state="carried",
-                                               detail=f"process carried into generation {r['generation']} as "
-                                                      f"rank {r['rank']}")
-                if r["state"] == "exited" and (old is None or old.state != "exited") and not r["stopped"] \
-                        and r["exit_code"] != 0:
-                    what = f"rank {r['rank']} (pid {r['pid']}) on {node.name} {r['detail']}"
-                    self.store.record_event(E.WORKER_EXIT, what + (f"; hung: {r['hang']}" if r["hang"] else ""),
-                                            node=node.name, job=r["job"])
+                if r.carried_from:  # a survivor now serves this generation
+                    g, rank = r.carried_from
+                    seen.add((r.job, g, rank))
+                    self.records.update_worker(r.job, g, rank, state="carried",
+                                               detail=f"process carried into generation {r.generation} as rank "
+                                                      f"{r.rank}")
+                if r.state == "exited" and (old is None or old.state != "exited") and not r.stopped \
+                        and r.exit_code != 0:
+                    what = f"rank {r.rank} (pid {r.pid}) on {node.name} {r.detail}"
+                    self.store.record_event(E.WORKER_EXIT, what + (f"; hung: {r.hang}" if r.hang else ""),
+                                            node=node.name, job=r.job)
             for key, old in known.items():
                 if key not in seen and old.live:
                     self.records.update_worker(*key, state="lost", detail="no longer reported by its agent")
 
-    def assignments(self, node: Node) -> tuple[float, list[dict], int]:
+    def assignments(self, node: Node) -> tuple[float, list[Assignment], int]:
         """(sent_at, the workers `node` must run, the warm standbys it should keep). sent_at is taken first,
         under the lock: an agent that echoes it back has seen every stop decided before it."""
         with self.lock:
@@ -70,7 +70,7 @@ class Assignments:
                     continue
                 if job.state == J.RECOVERING:
                     if self.inplace.in_place(job, gen):  # survivors wait in their processes for the next generation
-                        out.append({"job": job.id, "generation": gen.generation, "hold": True, "ranks": []})
+                        out.append(Assignment(job=job.id, generation=gen.generation, hold=True, ranks=[]))
                     continue
                 if gen.stop_at is not None:
                     continue
@@ -78,19 +78,18 @@ class Assignments:
                 first = protocol.rank_of(gen.nodes, node.name, 0, per)
                 survivors = self.inplace.survivor_slots(job, gen)
                 carried = self.inplace.carried_standbys(job, gen) if survivors else {}
-                ranks = [{"rank": first + i, "local_rank": i,
-                          "standby": gen.standbys.get(str(first + i)) or carried.get((node.name, i)),
-                          "carry": (node.name, i) in survivors} for i in range(per)]
-                progress, relayed = self._progress(job, gen, [r["rank"] for r in ranks])
-                out.append({"recovery": job.recovery,
-                    "job": job.id, "generation": gen.generation, "argv": job.argv, "cwd": job.cwd,
-                    "env": self._worker_env(job), "log_dir": str(Path(job.job_dir) / "logs"),
-                    "world_size": job.world_size, "local_world_size": per, "master_addr": gen.master_addr,
-                    "master_port": gen.master_port, "store_addr": gen.store_addr or "",
-                    "checkpoint_dir": job.checkpoint_dir,
-                    "config_path": str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,
-                    "ranks": ranks, "progress": {str(k): v for k, v in progress.items()}, "hang_detection": relayed,
-                })
+                ranks = [RankSlot(rank=first + i, local_rank=i,
+                                  standby=gen.standbys.get(str(first + i)) or carried.get((node.name, i)),
+                                  carry=(node.name, i) in survivors) for i in range(per)]
+                progress, relayed = self._progress(job, gen, [r.rank for r in ranks])
+                out.append(Assignment(
+                    recovery=job.recovery, job=job.id, generation=gen.generation, argv=job.argv, cwd=job.cwd,
+                    env=self._worker_env(job), log_dir=str(Path(job.job_dir) / "logs"), world_size=job.world_size,
+                    local_world_size=per, master_addr=gen.master_addr, master_port=gen.master_port,
+                    store_addr=gen.store_addr or "", checkpoint_dir=job.checkpoint_dir,
+                    config_path=str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,
+                    ranks=ranks, progress={str(k): Progress(**v) for k, v in progress.items()},
+                    hang_detection=relayed))
             return sent_at, out, self.standby_wanted(node)
 
     def standby_wanted(self, node: Node) -> int:

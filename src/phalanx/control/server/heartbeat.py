@@ -17,20 +17,22 @@ ENDED = (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus
 
 def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node: Node, hb: Heartbeat,
                      now: float) -> dict:
-    """The reply to `hb` from `node` (already checked to be its agent's), as sent on the wire."""
+    """The reply to `hb` from `node` (already checked to be its agent's), as sent on the wire (the fields
+    set, so an agent reads exactly what the controller decided)."""
     store.update_node(node.name, last_heartbeat=now, handle=hb.handle, health=hb.health,
                       report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
                               "standbys": hb.standbys})
-    jobs.ingest(node, [w.model_dump() for w in hb.workers], hb.reply_sent_at)
+    jobs.ingest(node, hb.workers, hb.reply_sent_at)
     status = store.cluster()["status"]
     sent_at, workers, standby = jobs.assignments(store.node(node.name))
-    reply = {"protocol": PROTOCOL_VERSION, "sent_at": sent_at, "controller": controller_id, "workers": [],
-             "faults": []}
+    common = {"protocol": PROTOCOL_VERSION, "sent_at": sent_at, "controller": controller_id, "workers": [],
+              "faults": []}
     if node.state == NodeState.REPLACING:
-        reply.update(action="terminate", reason=node.reason)
+        reply = HeartbeatReply(**common, action="terminate", reason=node.reason)
     elif status in ENDED:
-        reply.update(action="terminate", reason=f"cluster is {status}")
+        reply = HeartbeatReply(**common, action="terminate", reason=f"cluster is {status}")
     else:
-        reply.update(action="run", state=node.state.value, faults=store.take_directives(node.name),
-                     workers=workers, standby=standby, deep_check=deep_checks.assignment(node))
-    return HeartbeatReply.model_validate(reply).model_dump(exclude_unset=True)
+        reply = HeartbeatReply(**{**common, "faults": store.take_directives(node.name), "workers": workers},
+                               action="run", state=node.state.value, standby=standby,
+                               deep_check=deep_checks.assignment(node))
+    return reply.model_dump(exclude_unset=True)
