@@ -2,7 +2,7 @@
 
 `Trainer` owns the `TrainState` pieces (model, optimizer, scheduler, step, samples consumed, RNG) and runs
 fixed-global-batch steps with gradient accumulation, clipping and AdamW. It expects torch.distributed to be
-initialised by its caller (`phalanx.train.worker`, `phalanx.resilience.run`) and knows nothing about how it
+initialised by its caller (`phalanx.worker`, `phalanx.resilience.run`) and knows nothing about how it
 was launched or how a failure is recovered from; code outside it runs at points of its loop through `callbacks`.
 """
 
