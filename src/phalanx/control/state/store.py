@@ -8,8 +8,9 @@
                               replacing ──► terminated      (any state ──► terminated on delete)
 
 Every transition goes through `transition()`, which refuses illegal moves and writes an event with a
-reason, so the events table is a complete history. The job tables (`jobs`, `generations`, `workers`) are
-read and written through `phalanx.control.state.jobs`, on this connection.
+reason (through the controller's one event writer, `event_records.py`), so the events table is a complete
+history. The job tables (`jobs`, `generations`, `workers`) are read and written through
+`phalanx.control.state.jobs`, on this connection.
 
 One connection shared by the controller's threads behind a lock (a few writes per heartbeat interval;
 SQLite serialises writers anyway). Knows nothing about processes, HTTP or the reconciler's policy.
