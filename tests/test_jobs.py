@@ -29,6 +29,7 @@ from phalanx.control.client.cluster import ClusterClient, controller_pid, create
 from phalanx.control.client.jobs import JobClient, JobError
 from phalanx.control.state.paths import ClusterPaths, list_clusters
 from phalanx.control.state.store import Store
+from phalanx.observability.run_events import read_events
 from phalanx.protocol.messages import Assignment
 from phalanx.train.checkpoint import committed_steps
 from phalanx.train.config import ConfigError, dump_config
@@ -495,6 +496,15 @@ def test_hung_worker_is_detected_killed_and_the_job_recovers(tmp_path, home, dem
     assert all(s["loss"] < runs[0][0]["loss"] - 0.4 for s in runs[1]), "resumed from the checkpoint"
     print(f"\nhang-worker: detected {detected:.2f} s after SIGSTOP (hang_timeout_s=4), generation 2 started "
           f"{second['started_at'] - injected_at:.2f} s after it")
+    # one event stream: the run's events.jsonl (in its checkpoint dir) holds the controller's events of the job,
+    # the hang from the victim's agent and rank 0's events, each stamped with its source
+    stream = read_events(run_dir / "checkpoints")
+    kinds: dict[str, set[str]] = {}
+    for e in stream:
+        kinds.setdefault(e.source, set()).add(e.kind.value)
+    assert {"job", "generation", "hang"} <= kinds["controller"] and {"started", "finished"} <= kinds["rank:0"], kinds
+    assert kinds[f"agent:{victim}"] == {"hang"} and set(kinds) == {"controller", "rank:0", f"agent:{victim}"}, kinds
+    assert all(e.job == job["id"] for e in stream) and [e.time for e in stream] == sorted(e.time for e in stream)
 
 
 # ---- controller restart under a running job ------------------------------------------------------------

@@ -44,8 +44,7 @@ RANK_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from datetime import timedelta
     import torch.distributed as dist
-    from phalanx.resilience.membership import Superseded
-    from phalanx.resilience.regroup_store import RegroupStore
+    from phalanx.resilience.membership import RegroupStore, Superseded
     from phalanx.process import exit_without_teardown
 
     port, rank, world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

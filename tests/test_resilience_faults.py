@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from phalanx.resilience.faults import PeerFault, is_peer_fault, peer_fault
 from phalanx.resilience.membership import Superseded
-from phalanx.resilience.state import IntegrityError
+from phalanx.resilience.restore import IntegrityError
 
 
 def test_typed_failures_are_peer_faults_as_they_are():

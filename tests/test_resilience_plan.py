@@ -1,6 +1,6 @@
 """The recovery plan (pure logic): which step a regrouped job continues from, and who sends what."""
 
-from phalanx.resilience.plan import Copy, Holding, Transfer, choose_plan
+from phalanx.resilience.restore import Copy, Holding, Transfer, choose_plan
 
 SIG4 = (("dp_shard", 4),)
 SIG2 = (("dp_shard", 2),)

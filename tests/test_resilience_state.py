@@ -13,7 +13,7 @@ from distributed import run_distributed
 def _train_and_swap(run_dir, data, steps_before, steps_after, swap):
     import torch.distributed as dist
 
-    from phalanx.resilience.state import IntegrityError, ShardState, exchange
+    from phalanx.resilience.restore import IntegrityError, ShardState, exchange
     from phalanx.train.trainer import Trainer
 
     config = tiny_config(run_dir, data, parallel={"dp_replicate": 2, "dp_shard": 2},

@@ -1,15 +1,30 @@
-"""The one list of event kinds. The controller records events in its store (`Store.record_event`), the
-training runtime in the run's metrics.jsonl (`MetricsWriter.event`); both take an `EventKind` (or its
-value) and refuse any other word, so a reader — `job describe`, the chaos soak's ledger checks, the goodput
-ledger — matches on names that exist.
+"""The one event stream: the one list of event kinds (`EventKind`), the one record (`Event`) and the one
+writer (`EventLog`) that the controller, the node agents and the training runtime all emit through.
 
-The values are the words already on disk in existing clusters and runs (hence `worker-exit` beside
+An `EventLog` stamps each event with its time and its source ("controller", "agent:<node>", "rank:<r>"),
+refuses a kind that is not an `EventKind`, and hands the `Event` to each of its sinks in order:
+  controller   the `Store`'s events table (SQLite: `phalanx cluster events`, `job describe`), then the run's
+               events.jsonl for an event of a job (`run_events.RunEventFiles`)
+  agent        the run's events.jsonl (a hung worker it killed)
+  rank 0       the run's metrics.jsonl `event` line (the format the soak and the tests read), then the
+               run's events.jsonl
+so a run's events.jsonl (`run_events.py`) holds the whole run, from every source, one `Event` per line: the
+source the goodput ledger and the dashboard read (docs/observability.md).
+
+The kind values are the words already on disk in existing clusters and runs (hence `worker-exit` beside
 `fault_detected`): renaming one is a format change (bump `phalanx.protocol.PROTOCOL_VERSION`).
+
+Must not know: the controller, the training loop, policy, models; standard library only (the agents and the
+CLI import it).
 """
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Callable, Iterable
 
 
 class EventKind(str, Enum):
@@ -24,7 +39,7 @@ class EventKind(str, Enum):
     JOB = "job"  # a job's state changed (state/jobs.py)
     GENERATION = "generation"  # a job's generation started
     WORKER_EXIT = "worker-exit"  # a worker exited (and how)
-    HANG = "hang"  # an agent killed a hung worker
+    HANG = "hang"  # an agent killed a hung worker (the agent's own event, and the controller's record of it)
     RECOVERY = "recovery"  # what the controller does about a fault
     # a run (training runtime; checkpointless recovery also to the controller)
     STARTED = "started"  # a run (or a generation of it) started: world size, layout, where it starts from
@@ -48,3 +63,62 @@ def event_kind(kind: "EventKind | str") -> EventKind:
     except ValueError:
         raise ValueError(f"unknown event kind {kind!r}; known: {', '.join(k.value for k in EventKind)} "
                          f"(add it to phalanx.observability.events.EventKind)") from None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing that happened. `message`: the human line (the controller's `reason`); `fields`: the
+    structured rest (a node transition's from_state/to_state, a checkpoint's step and seconds, ...)."""
+
+    time: float  # epoch seconds (the writer's clock)
+    kind: EventKind
+    source: str  # "controller", "agent:<node>", "rank:<r>"
+    job: str | None = None
+    node: str | None = None
+    message: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time": self.time, "kind": self.kind.value, "source": self.source, "job": self.job,
+                "node": self.node, "message": self.message, "fields": dict(self.fields)}
+
+    def to_json(self) -> str:
+        """One line (no newline): the events.jsonl format. A field JSON cannot hold is written as its str()."""
+        return json.dumps(self.to_dict(), default=str, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Event":
+        return cls(time=float(d["time"]), kind=event_kind(d["kind"]), source=str(d["source"]), job=d.get("job"),
+                   node=d.get("node"), message=d.get("message"), fields=dict(d.get("fields") or {}))
+
+    @classmethod
+    def from_json(cls, line: str) -> "Event":
+        return cls.from_dict(json.loads(line))
+
+
+Sink = Callable[[Event], None]
+
+
+class EventLog:
+    """The one writer: `emit()` validates the kind, stamps time and source, and hands the `Event` to each sink
+    in order. A sink that raises stops the others and the error reaches the caller: a sink that must never
+    break its writer (the run file, for the controller) catches its own errors (`run_events.RunEventFiles`)."""
+
+    def __init__(self, source: str, sinks: Iterable[Sink] = (), clock: Callable[[], float] = time.time):
+        self.source = source
+        self.sinks: list[Sink] = list(sinks)
+        self.clock = clock
+
+    def emit(self, kind: EventKind | str, message: str | None = None, *, job: str | None = None,
+             node: str | None = None, **fields) -> Event:
+        return self.emit_fields(kind, fields, message=message, job=job, node=node)
+
+    def emit_fields(self, kind: EventKind | str, fields: dict[str, Any], *, message: str | None = None,
+                    job: str | None = None, node: str | None = None) -> Event:
+        """`emit` with the free fields as one dict: for a writer whose field names are data (a recovery
+        record may hold a `node` or a `message` of its own)."""
+        event = Event(time=self.clock(), kind=event_kind(kind), source=self.source, job=job, node=node,
+                      message=message, fields=dict(fields))
+        for sink in self.sinks:
+            sink(event)
+        return event

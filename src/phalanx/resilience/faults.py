@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from phalanx.resilience.membership import Superseded
-from phalanx.resilience.state import IntegrityError
+from phalanx.resilience.restore import IntegrityError
 
 
 class PeerFault(RuntimeError):

@@ -6,7 +6,7 @@ generations:
   join       find this rank in the generation's layout, arrive (every rank, or a newer generation), build
              the process groups on the controller's store under the generation's prefix
   restore    build a Trainer without initialising it; every rank reports what it holds (its carried live
-             state, its snapshot copies) in one all_gather; `plan.choose_plan` picks the committed step
+             state, its snapshot copies) in one all_gather; `restore.choose_plan` picks the committed step
              and the transfers; each rank applies its own copy or a verified one from a peer. Any failed
              checksum sends every rank to the disk checkpoint instead (one all_reduce decides). Nothing
              held anywhere (the first start) is the disk path too: the newest checkpoint, or a fresh init
@@ -49,9 +49,9 @@ from phalanx.resilience.drill import Drill
 from phalanx.resilience.faults import is_peer_fault
 from phalanx.resilience.groups import release_process_groups
 from phalanx.resilience.membership import Membership, NotInGeneration, RankTaken, Superseded
-from phalanx.resilience.plan import LIVE, Copy, Holding, choose_plan
+from phalanx.resilience.restore import (LIVE, Copy, Holding, IntegrityError, ShardState, choose_plan, exchange,
+                                        shard_layout)
 from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
-from phalanx.resilience.state import IntegrityError, ShardState, exchange, shard_layout
 
 log = logging.getLogger("phalanx.checkpointless")
 EXIT_NO_GENERATION = 3

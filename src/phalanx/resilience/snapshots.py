@@ -7,7 +7,7 @@ whose buddy it is. Then the thread joins a one-number all_reduce on the snapshot
 completes anywhere, every exchange of that step has completed everywhere (each rank enters it only after
 its own exchange), so every shard's copy of that step exists on two nodes and the older copies are
 dropped. Until then the previous complete snapshot is kept, so a failure at any moment leaves one step
-that all shards have (`plan.choose_plan` finds it).
+that all shards have (`restore.choose_plan` finds it).
 
 The capture is the only part on the training step's path (a host copy of the local shards); the exchange
 and the agreement run beside the next steps on their own gloo group. A snapshot step whose previous
@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.resilience.faults import PeerFault, is_peer_fault
-from phalanx.resilience.plan import Copy
-from phalanx.resilience.state import ShardState, exchange
+from phalanx.resilience.restore import Copy, ShardState, exchange
 
 log = logging.getLogger("phalanx.snapshots")
 

@@ -1,4 +1,5 @@
-"""Training: config, loop, training state, checkpoints, metrics, restart-mode workers and the local launcher.
+"""Training: config, loop, training state, checkpoints, metrics and the local launcher (restart mode, the loop
+run to the end in one worker process, is `phalanx.worker`).
 
 Must not know: the controller (only `phalanx.protocol`) or checkpointless recovery — `phalanx.resilience` imports
 `phalanx.train`, never the reverse (`phalanx.worker` is the one module that picks between them)."""

@@ -11,7 +11,7 @@ the two forms training state takes:
                and "rng/rank<r>" (each saving rank's RNG).
   local        `local_tensors()`: this rank's shard of every parameter and optimizer-state tensor, by key;
                `counters()`: everything else; `load_local()` writes both back into a trainer built on the same
-               shard layout (`phalanx.resilience.state.ShardState` packs them into host memory for a peer).
+               shard layout (`phalanx.resilience.restore.ShardState` packs them into host memory for a peer).
 
 Knows nothing about where state is kept (files, peers' memory), the training loop, the controller or recovery.
 """

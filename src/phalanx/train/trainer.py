@@ -2,7 +2,7 @@
 
 `Trainer` owns the `TrainState` pieces (model, optimizer, scheduler, step, samples consumed, RNG) and runs
 fixed-global-batch steps with gradient accumulation, clipping and AdamW. It expects torch.distributed to be
-initialised by its caller (`phalanx.train.worker`, `phalanx.resilience.run`) and knows nothing about how it
+initialised by its caller (`phalanx.worker`, `phalanx.resilience.run`) and knows nothing about how it
 was launched or how a failure is recovered from; code outside it runs at points of its loop through `callbacks`.
 """
 
@@ -118,7 +118,8 @@ class Trainer:
         self.last_record: dict | None = None  # the newest step's record (every rank has it: the loss is reduced)
         self._saved_step: int | None = None
         self.callbacks = Callbacks()  # what others run at points of the loop (progress reports, drills)
-        self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps)
+        self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps,
+                                     events_dir=config.checkpoint_dir)  # the run's events.jsonl: the job's run dir
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir,
             keep=config.checkpoint.keep,

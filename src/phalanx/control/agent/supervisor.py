@@ -10,7 +10,9 @@ children) inside the node's session (killing the node kills them too). Output go
 appended across generations, with a header and a footer line per run. A worker the controller stops gets
 SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
 
-Hang detection is `hang.py`'s rule; warm standbys are `standby.py`'s pool (both mixed in here).
+Hang detection is `hang.py`'s rule; warm standbys are `standby.py`'s pool (both mixed in here). A hung
+worker it kills is also a `hang` event (source "agent:<node>") in the run's events.jsonl (the assignment's
+checkpoint_dir; phalanx.observability.run_events), beside the controller's own record of the hang.
 
 Standard library and the protocol's messages only. Knows nothing about the scheduler's policy.
 """
@@ -32,6 +34,8 @@ from phalanx.control.agent.hang import judge_hang
 from phalanx.control.agent.standby import Standby, StandbyPool
 from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
                                           signal_group)
+from phalanx.observability.events import EventKind, EventLog
+from phalanx.observability.run_events import RunEventFiles
 
 log = logging.getLogger("phalanx.agent.workers")
 
@@ -52,6 +56,8 @@ class WorkerSupervisor(StandbyPool):
         self.store_addr = store_addr  # the controller's store (standbys wait on it)
         self.standbys: dict[int, Standby] = {}
         self._standby_seq = 0
+        self.run_dirs: dict[str, Path] = {}  # job → its run dir (checkpoint_dir), from its assignments
+        self.events = EventLog(f"agent:{node}", [RunEventFiles(self.run_dirs.get, what="the agent's events")])
 
     def relay_down(self) -> None:
         """The controller did not answer: stop judging hangs until its next reply (which restarts the clocks)."""
@@ -67,6 +73,8 @@ class WorkerSupervisor(StandbyPool):
             self.held = {a.job for a in assignments if a.hold}
             assignments = [a for a in assignments if not a.hold]
             self.desired = {(a.job, a.generation) for a in assignments}
+            self.run_dirs.update({a.job: Path(a.cwd or ".", a.checkpoint_dir) for a in assignments
+                                  if a.checkpoint_dir})
             for w in self.workers.values():  # waiting for the next generation on purpose: not a hang
                 if w.job in self.held and w.state == "running":
                     w.last_change = w.last_beat_change = now
@@ -206,6 +214,8 @@ class WorkerSupervisor(StandbyPool):
         log.error("worker rank %d of job %s generation %d (pid %d) hung, %s; next: SIGKILL it and report the hang",
                   w.rank, w.job, w.generation, w.pid, w.hang)
         signal_group(w.pid, signal.SIGKILL)
+        self.events.emit(EventKind.HANG, w.hang, job=w.job, node=self.node, generation=w.generation, rank=w.rank,
+                         pid=w.pid, frozen=w.frozen)  # (a run file it cannot write is a warning, never raised)
 
     def _exited(self, w: Worker, code: int) -> None:
         w.state, w.exit_code, w.ended_at = "exited", code, time.time()

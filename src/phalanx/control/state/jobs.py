@@ -238,8 +238,7 @@ class JobRecords:
             what = f"{kind} job {name or job_id!r} submitted: {nodes} nodes × {workers_per_node} workers of group " \
                    f"{group}, auto_resume={'on' if auto_resume else 'off'}, max_retries={max_retries}, " \
                    f"recovery={recovery}"
-            db.execute("INSERT INTO events (time, job, kind, to_state, reason) VALUES (?,?,?,?,?)",
-                       (now, job_id, EventKind.JOB.value, J.PENDING.value, what))
+            self.store.log.emit(EventKind.JOB, what, job=job_id, to_state=J.PENDING.value)  # (in this transaction)
         return self.job(job_id)
 
     def job(self, job_id: str) -> Job | None:
@@ -290,8 +289,7 @@ class JobRecords:
                 values["ended_at"] = now
             enc = _enc(values)
             db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in enc)} WHERE id=?", (*enc.values(), job_id))
-            db.execute("INSERT INTO events (time, job, kind, from_state, to_state, reason) VALUES (?,?,?,?,?,?)",
-                       (now, job_id, EventKind.JOB.value, frm.value, to.value, reason))
+            self.store.log.emit(EventKind.JOB, reason, job=job_id, from_state=frm.value, to_state=to.value)
         return self.job(job_id)
 
     # ---- generations --------------------------------------------------------------------------------

@@ -8,8 +8,9 @@
                               replacing ──► terminated      (any state ──► terminated on delete)
 
 Every transition goes through `transition()`, which refuses illegal moves and writes an event with a
-reason, so the events table is a complete history. The job tables (`jobs`, `generations`, `workers`) are
-read and written through `phalanx.control.state.jobs`, on this connection.
+reason (through the controller's one event writer, `event_records.py`), so the events table is a complete
+history. The job tables (`jobs`, `generations`, `workers`) are read and written through
+`phalanx.control.state.jobs`, on this connection.
 
 One connection shared by the controller's threads behind a lock (a few writes per heartbeat interval;
 SQLite serialises writers anyway). Knows nothing about processes, HTTP or the reconciler's policy.
@@ -28,8 +29,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from phalanx.control.spec import ClusterSpec
+from phalanx.control.state.event_records import EventRecords
 from phalanx.control.state.schema import SCHEMA, migrate
-from phalanx.observability.events import EventKind, event_kind
+from phalanx.observability.events import EventKind
 
 
 class NodeState(str, Enum):
@@ -111,7 +113,7 @@ def _loads(text: str | None):
     return None if text is None else json.loads(text)
 
 
-class Store:
+class Store(EventRecords):
     """All reads and writes of a cluster's state.db."""
 
     def __init__(self, path: Path | str, clock: Callable[[], float] = time.time):
@@ -125,6 +127,7 @@ class Store:
         self._db.execute("PRAGMA foreign_keys=ON")
         with self._lock:
             migrate(self._db)
+        self.log = self.event_log()  # the controller's one event writer (`EventRecords`)
 
     def close(self) -> None:
         with self._lock:
@@ -233,7 +236,7 @@ class Store:
                 " VALUES (?,?,?,?,?,?,?,?)",
                 (name, group, S.PROVISIONING.value, int(is_spare), reason, str(work_root / name), now, now),
             )
-            self._insert_event(now, EventKind.TRANSITION, reason, node=name, to_state=S.PROVISIONING.value)
+            self.log.emit(EventKind.TRANSITION, reason, node=name, to_state=S.PROVISIONING.value)
             self._db.execute("COMMIT")
         return self.node(name)
 
@@ -288,40 +291,12 @@ class Store:
                     f"UPDATE nodes SET state=?, reason=?, state_since=?{extra} WHERE name=?",
                     (to.value, reason, now, *fields.values(), name),
                 )
-                self._insert_event(now, EventKind.TRANSITION, reason, node=name, from_state=frm.value,
-                                   to_state=to.value)
+                self.log.emit(EventKind.TRANSITION, reason, node=name, from_state=frm.value, to_state=to.value)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
         return self.node(name)
-
-    # ---- events -------------------------------------------------------------------------------
-    def _insert_event(self, now: float, kind: str, reason: str, *, node=None, job=None, from_state=None,
-                      to_state=None) -> None:
-        self._db.execute(
-            "INSERT INTO events (time, node, job, kind, from_state, to_state, reason) VALUES (?,?,?,?,?,?,?)",
-            (now, node, job, event_kind(kind).value, from_state, to_state, reason),
-        )
-
-    def record_event(self, kind: EventKind | str, reason: str, *, node: str | None = None, job: str | None = None,
-                     from_state: str | None = None, to_state: str | None = None) -> None:
-        with self._lock:
-            self._insert_event(self.clock(), kind, reason, node=node, job=job, from_state=from_state,
-                               to_state=to_state)
-
-    def events(self, *, since_id: int = 0, node: str | None = None, job: str | None = None,
-               limit: int | None = None) -> list[dict]:
-        sql, args = "SELECT * FROM events WHERE id > ?", [since_id]
-        if node:
-            sql += " AND node = ?"
-            args.append(node)
-        if job:
-            sql += " AND job = ?"
-            args.append(job)
-        sql += " ORDER BY id"
-        rows = [dict(r) for r in self._exec(sql, tuple(args))]
-        return rows[-limit:] if limit else rows
 
 
 def open_existing(path: Path) -> Store:

@@ -1,21 +1,34 @@
-"""One rank's training state as one self-describing block of host memory: what a peer restores from.
+"""Restore from peers: which peer holds each missing shard, and the CRC-checked transfer from its memory.
 
-`ShardState.capture(trainer)` copies the trainer's `TrainState` (`phalanx.train.state`, the one definition of
-what training state is; checkpoints save the same) into host memory: this rank's shard of every parameter and
-optimizer-state tensor in one flat byte buffer with a table of contents — key, dtype, shape, offset, and a
-CRC32 per tensor — plus the step, samples consumed, LR-scheduler counters and RNG state. `apply(trainer)`
-writes it into a trainer built on the same shard layout. `exchange()` moves states between ranks over a process
-group (point-to-point, every transfer of a round posted at once), and the receiver verifies every
-tensor's checksum before anything is used.
+Which copy (`choose_plan`). After a fault, every rank of the new generation reports what it holds (`Holding`):
+the shard its new position needs, its carried live state (a survivor: the state its optimizer reached), and
+the in-memory snapshots it kept (its own, and the copy of its buddy's). `choose_plan` — a pure function, run by
+every rank on the same gathered list, so all reach the same answer without another round — picks the newest
+step at which *every* shard the new layout needs exists somewhere alive (live or snapshot: both are the
+state after that step), and for each rank the copy it applies: its own when it has one, else a transfer
+from a holder (live state first, the least-loaded sender next, then the lowest rank).
+
+That is the committed step: an update half the ranks applied (a fault inside the step's last reduction)
+is kept when every shard has it, and otherwise rolled back to the step all shards have. When no step is
+covered — both holders of a shard gone, or nothing held at all (a first start, a restart of every
+process) — the plan says `disk`: load the newest checkpoint (or initialise).
+
+What a copy is (`ShardState`). `ShardState.capture(trainer)` copies the trainer's `TrainState`
+(`phalanx.train.state`, the one definition of what training state is; checkpoints save the same) into host
+memory: this rank's shard of every parameter and optimizer-state tensor in one flat byte buffer with a table
+of contents — key, dtype, shape, offset, and a CRC32 per tensor — plus the step, samples consumed,
+LR-scheduler counters and RNG state. `apply(trainer)` writes it into a trainer built on the same shard layout.
+`exchange()` moves states between ranks over a process group (point-to-point, every transfer of a round posted
+at once), and the receiver verifies every tensor's checksum before anything is used.
 
 `coord` says which shard a state is: this rank's position along every mesh dimension that shards the
 model (replicas along "dp_replicate" hold the same shard, so it is left out); `signature` is the layout
-(those dimensions and their sizes). A state is only applied where coord and signature match, so a new
-generation with a different number of replicas can still be served, and a resharded one cannot be
-served wrongly.
+(those dimensions and their sizes). A state is only applied where coord and signature match, and ranks ask
+for shards by coordinate, so a new generation with a different number of replicas can still be planned and
+served, and a resharded one cannot be served wrongly.
 
 Knows nothing about the controller, generations or the training loop; of the trainer only its `state` and
-`mesh`.
+`mesh`. The plan knows nothing about torch (it works on coordinates and step numbers).
 """
 
 from __future__ import annotations
@@ -28,10 +41,94 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+LIVE = "live"
 REPLICA_DIM = "dp_replicate"
 _ALIGN = 64  # bytes: every tensor starts aligned, so a slice of the buffer can be viewed as its dtype
 
 
+# ---- which copy each rank applies --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Copy:
+    """One state a rank holds: `source` is "live", or "own@S"/"peer@S" for snapshots taken at step S."""
+
+    source: str
+    coord: tuple
+    signature: tuple
+    step: int
+
+
+@dataclass(frozen=True)
+class Holding:
+    rank: int
+    coord: tuple  # the shard this rank's position in the new layout needs
+    signature: tuple
+    copies: tuple[Copy, ...] = ()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    source: str  # which of src's copies
+    coord: tuple
+
+
+@dataclass
+class Plan:
+    kind: str  # "memory" (restore from peers' memory / own copies) or "disk"
+    step: int | None
+    local: dict[int, str] = field(default_factory=dict)  # rank → the source of its own copy it applies
+    transfers: list[Transfer] = field(default_factory=list)
+    reason: str = ""
+
+    def sends(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.src == rank]
+
+    def receive(self, rank: int) -> Transfer | None:
+        return next((t for t in self.transfers if t.dst == rank), None)
+
+    @property
+    def from_snapshot(self) -> bool:
+        sources = list(self.local.values()) + [t.source for t in self.transfers]
+        return any(s != LIVE for s in sources)
+
+
+def choose_plan(holdings: list[Holding]) -> Plan:
+    copies: dict[tuple, list[tuple[int, Copy]]] = {}  # (coord, signature, step) → [(rank, copy)]
+    for h in holdings:
+        for c in h.copies:
+            copies.setdefault((c.coord, c.signature, c.step), []).append((h.rank, c))
+    if not copies:
+        return Plan("disk", None, reason="no rank holds training state in memory (a first start, or every "
+                                         "process restarted)")
+    needed = {(h.coord, h.signature) for h in holdings}
+    steps = sorted({step for (_, _, step) in copies}, reverse=True)
+    for step in steps:
+        if all((coord, sig, step) in copies for coord, sig in needed):
+            return _assign(holdings, copies, step)
+    newest = steps[0]
+    missing = sorted(str(coord) for coord, sig in needed if (coord, sig, newest) not in copies)
+    return Plan("disk", None, reason=f"no step is held for every shard in memory (at step {newest} nobody "
+                                     f"holds shard {missing[0]}: its holders are gone); falling back to the "
+                                     f"newest checkpoint")
+
+
+def _assign(holdings: list[Holding], copies: dict, step: int) -> Plan:
+    plan = Plan("memory", step)
+    load: dict[int, int] = {}
+    for h in sorted(holdings, key=lambda h: h.rank):
+        key = (h.coord, h.signature, step)
+        mine = [c for c in h.copies if (c.coord, c.signature, c.step) == key]
+        if mine:
+            plan.local[h.rank] = min(mine, key=lambda c: c.source != LIVE).source
+            continue
+        src, copy = min(copies[key], key=lambda rc: (rc[1].source != LIVE, load.get(rc[0], 0), rc[0]))
+        load[src] = load.get(src, 0) + 1
+        plan.transfers.append(Transfer(src, h.rank, copy.source, h.coord))
+    return plan
+
+
+# ---- a rank's state in host memory, and its transfer -------------------------------------------------------
 class IntegrityError(RuntimeError):
     """A received state does not match its checksums or does not fit the receiving trainer."""
 
