@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from clusters import home  # noqa: F401  (home is a fixture)
 from phalanx.chaos import KINDS, MODES, PHASES, JobShape, Trial, ci_plan, make_plan
 from phalanx.chaos import invariants as inv
-from phalanx.chaos.census import Census, NodeCensus, listening_ports
+from phalanx.chaos.census import Census, NodeCensus, listening_ports, take_census
 from phalanx.chaos.plan import shard_lost, steps_allowed
 from phalanx.resilience.drill import ENV_VAR, Drill, DrillSpec, spec_from_env
 
@@ -209,6 +210,21 @@ def census(extra_member: int | None = None, retired: dict | None = None, control
         nodes["w1"].members.append(extra_member)
     listening = {p: 1 for p in controller_ports}
     return Census(controller=1, nodes=nodes, retired=retired or {}, listening=listening)
+
+
+def test_the_census_finds_each_nodes_session_from_its_handle():
+    """A local node's handle is its agent's pid (as text): the census reads each node's session from it, so the
+    leak checks look at real processes (a census that finds no node would make them vacuous)."""
+    agent = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        nodes = [{"name": "w0", "state": "healthy", "handle": str(agent.pid), "report": {"standbys": {"0": "s"}}},
+                 {"name": "w1", "state": "provisioning", "handle": None}]
+        found = take_census(nodes, controller=None)
+        assert list(found.nodes) == ["w0"] and found.nodes["w0"].agent == agent.pid
+        assert found.nodes["w0"].members == [agent.pid] and found.nodes["w0"].standbys == 1
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 def test_leaked_processes_and_ports_are_caught():

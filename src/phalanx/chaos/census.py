@@ -74,18 +74,25 @@ def listening_ports(pids: set[int]) -> dict[int, int]:
     return found
 
 
+def agent_pid(node: dict) -> int | None:
+    """The pid of a node's agent. The soak runs on the local backend, whose opaque node handle is that pid (as
+    text); None before the agent was started."""
+    return int(node["handle"]) if node.get("handle") else None
+
+
 def take_census(nodes: list[dict], controller: int | None) -> Census:
     """`nodes`: the cluster's nodes as `ClusterClient.nodes()` lists them (terminated ones included)."""
     census = Census(controller=controller if process_running(controller, "phalanx") else None)
     for n in nodes:
-        if not n.get("pid"):
+        agent = agent_pid(n)
+        if agent is None:
             continue
-        members = session_members(n["pid"])
+        members = session_members(agent)
         if n["state"] in ("terminated", "replacing"):
             if members:
                 census.retired[n["name"]] = members
             continue
         standbys = len(((n.get("report") or {}).get("standbys")) or {})
-        census.nodes[n["name"]] = NodeCensus(agent=n["pid"], members=members, standbys=standbys, job=n.get("job"))
+        census.nodes[n["name"]] = NodeCensus(agent=agent, members=members, standbys=standbys, job=n.get("job"))
     census.listening = listening_ports(census.pids())
     return census

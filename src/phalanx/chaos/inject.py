@@ -25,6 +25,7 @@ import signal
 import time
 from pathlib import Path
 
+from phalanx.chaos.census import agent_pid
 from phalanx.chaos.plan import Trial
 from phalanx.control.backends.local import process_running
 from phalanx.control.client.cluster import ClusterClient, controller_pid, start_controller
@@ -204,13 +205,14 @@ class Injector:
     def _kill_agent(self, node: str) -> str:
         n = self._node(node)
         marker = str(Path(n["work_dir"]) / "agent.json")
-        if not process_running(n["pid"], marker):
-            raise InjectionError(f"node {node}: agent pid {n['pid']} is not running")
+        pid = agent_pid(n)
+        if not process_running(pid, marker):
+            raise InjectionError(f"node {node}: agent pid {pid} is not running")
         try:
-            os.kill(n["pid"], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
-            raise InjectionError(f"node {node}: agent pid {n['pid']} exited first") from None
-        return f"SIGKILL to agent pid {n['pid']} of {node} (its workers live on)"
+            raise InjectionError(f"node {node}: agent pid {pid} exited first") from None
+        return f"SIGKILL to agent pid {pid} of {node} (its workers live on)"
 
     def _restart_controller(self) -> str:
         paths = self.client.paths

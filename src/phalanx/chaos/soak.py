@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from phalanx.chaos import invariants as inv
-from phalanx.chaos.census import take_census
+from phalanx.chaos.census import agent_pid, take_census
 from phalanx.chaos.inject import InjectionError, Injector, drill_for
 from phalanx.chaos.plan import JobShape, Trial, layout_dims, steps_allowed
 from phalanx.control.backends.local import cmdline, process_running, processes_mentioning, session_members
@@ -137,7 +137,7 @@ class Soak:
 
     def _remember_pids(self) -> None:
         try:
-            self.node_pids.update(n["pid"] for n in self.client.nodes() if n.get("pid"))
+            self.node_pids.update(agent_pid(n) for n in self.client.nodes() if n.get("handle"))
         except Exception:  # noqa: BLE001 - best effort: the controller may be the thing that broke
             pass
 
@@ -173,7 +173,7 @@ class Soak:
                    f"{len(live) - len(healthy)} other live node(s), no {'warm ' if warm else ''}standby on {cold}")
             if len(members) == self.s.nodes and len(spares) == self.s.spares and len(live) == len(healthy) \
                     and not cold:
-                self.node_pids.update(n["pid"] for n in nodes if n.get("pid"))
+                self.node_pids.update(agent_pid(n) for n in nodes if n.get("handle"))
                 return nodes
             time.sleep(0.2)
         raise SoakError(f"the cluster did not get back to full strength within {timeout_s:g} s: {why}")
