@@ -176,3 +176,61 @@ def test_read_run_skips_torn_and_broken_lines_and_names_a_missing_file(tmp_path)
     ledger = read_run(ckpt, run)
     assert seconds(ledger) == expect(productive=3, initialization=3, idle=2)
     assert seconds(read_run(ckpt, None)) == expect(initialization=8)  # a command job: no steps
+
+
+# ---- the CLI, on a job described from synthetic run files (no cluster) ---------------------------------------
+def test_job_goodput_and_describe_print_the_ledger_and_name_a_missing_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from phalanx.cli import app
+    from phalanx.control.client import jobs as jobs_module
+
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    for e in [submitted(), *generation(1, 1), r0(5, "started"), r0(17.4, "checkpoint_saved", step=10, seconds=0.4),
+              ended(18)]:
+        JsonlSink(ckpt / "events.jsonl")(e)
+    run.mkdir()
+    steps = [step(1, 7, 2.0)] + [step(n, 7 + (n - 1) * 1.1) for n in range(2, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    info = {"id": "1", "name": "tiny", "kind": "train", "state": "succeeded", "reason": "done", "cwd": str(tmp_path),
+            "checkpoint_dir": "ckpt", "config": {"run_dir": str(run)}, "ended_at": T0 + 18, "last_step": 10,
+            "nodes_requested": 2, "workers_per_node": 1, "group_name": "workers", "auto_resume": False,
+            "attempts": 1, "retries": 0, "max_retries": 0, "node_faults": 0, "created_at": T0, "argv": [],
+            "log_dir": str(tmp_path / "logs"), "generations": [], "workers": [], "events": []}
+
+    class FakeJobs(jobs_module.JobClient):
+        def __init__(self, cluster=None):
+            self.cluster = SimpleNamespace(name="c1", offline_since=None)
+
+        def describe(self, job):
+            if job not in ("1", "tiny"):
+                raise jobs_module.JobError(f"no job {job!r} in cluster c1")
+            return dict(info)
+
+    monkeypatch.setattr(jobs_module, "JobClient", FakeJobs)
+    runner = CliRunner()
+    result = runner.invoke(app, ["job", "goodput", "tiny"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    for category in CATEGORIES:
+        assert category in text
+    assert "│ productive │ 10.00 │ 55.6% │" in text and "goodput 55.6% (productive / wall); wall 18.00 s" in text, text
+    result = runner.invoke(app, ["job", "goodput", "tiny", "--json"])
+    figures = json.loads(result.output)
+    assert figures["seconds"]["initialization"] == 6 and figures["wall_s"] == 18
+    result = runner.invoke(app, ["job", "describe", "1", "--json"])
+    assert json.loads(result.output)["goodput"]["goodput"] == pytest.approx(10 / 18, abs=1e-6)
+    result = runner.invoke(app, ["job", "describe", "1"])
+    assert "goodput: 55.6% (productive 10.0 s of 18.0 s wall; initialization 6.0 s" in " ".join(result.output.split())
+
+    result = runner.invoke(app, ["job", "goodput", "7"])
+    assert result.exit_code == 2 and "no job '7' in cluster c1" in result.output
+    (run / "metrics.jsonl").unlink()
+    result = runner.invoke(app, ["job", "goodput", "1"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1 and str(run / "metrics.jsonl") in " ".join(result.output.split()), result.output
+    assert len(lines) <= 2, result.output  # one line (rich may wrap a long path)
+    result = runner.invoke(app, ["job", "describe", "1", "--json"])
+    assert "metrics.jsonl: no such file" in json.loads(result.output)["goodput"]["error"]

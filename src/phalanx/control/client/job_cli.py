@@ -7,6 +7,7 @@ Imports no torch unless a training config is submitted.
     phalanx job submit CONFIG.yaml --nodes N [--auto-resume] [--max-retries K] [--name NAME] [key=value ...]
     phalanx job submit --nodes N [options] -- CMD ARGS...      any torch.distributed program (env:// rendezvous)
     phalanx job list | describe ID | logs ID [-f] [--rank R] | cancel ID
+    phalanx job goodput ID [--json]      where the job's wall time went (the goodput ledger, from its run's files)
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def describe(job: str = typer.Argument(..., help="job id or name"), cluster: Opt
     info = _job_guard(lambda: client.describe(job))
     if client.offline_since is not None:
         _warn_offline(client.cluster.name, client.offline_since, "the job is shown")
+    ledger, missing = _ledger(client, info)
+    info["goodput"] = ledger.to_dict() if ledger is not None else {"error": missing}
     if as_json:
         out.print_json(json.dumps(info))
         return
@@ -176,6 +179,46 @@ def describe(job: str = typer.Argument(..., help="job id or name"), cluster: Opt
         move = f"{ev['from_state'] or '∅'} → {ev['to_state']}" if ev["to_state"] else ""
         e.add_row(_when(ev["time"]), ev["kind"], move, ev["reason"])
     out.print(e)
+    out.print(_goodput_line(ledger) if ledger is not None else f"goodput: unavailable ({missing})")
+
+
+def _ledger(client, info: dict):
+    """(the job's goodput ledger, None) or (None, why not: the missing run file, named)."""
+    try:
+        return client.goodput(info["id"], info), None
+    except FileNotFoundError as e:  # RunFilesMissing: the message names the file
+        return None, str(e)
+
+
+def _goodput_line(ledger) -> str:
+    from phalanx.observability.goodput import CATEGORIES
+
+    parts = ", ".join(f"{c} {ledger.seconds[c]:.1f} s" for c in CATEGORIES[1:] if ledger.seconds[c] >= 0.05)
+    return (f"goodput: [bold]{ledger.goodput:.1%}[/] (productive {ledger.seconds['productive']:.1f} s of "
+            f"{ledger.wall:.1f} s wall" + (f"; {parts}" if parts else "") + ")")
+
+
+@job_app.command("goodput")
+def goodput(job: str = typer.Argument(..., help="job id or name"), cluster: Optional[str] = ClusterOpt,
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Where the job's wall time since submission went, by category, and the goodput ratio (productive / wall),
+    computed from its run's events.jsonl and metrics.jsonl (docs/observability.md)."""
+    from phalanx.observability.goodput import CATEGORIES
+
+    client = _client(cluster)
+    info = _job_guard(lambda: client.describe(job))
+    ledger, missing = _ledger(client, info)
+    if ledger is None:
+        _fail(f"job {info['id']}: no goodput ledger: {missing}", 1)
+    if as_json:
+        out.print_json(json.dumps({"job": info["id"], **ledger.to_dict()}))
+        return
+    t = Table("category", "seconds", "share", title=f"job {info['id']} ({info['name']}, {_state(info)})")
+    for c in CATEGORIES:
+        t.add_row(c, f"{ledger.seconds[c]:.2f}", f"{ledger.share(c):.1%}")
+    out.print(t)
+    out.print(f"goodput [bold]{ledger.goodput:.1%}[/] (productive / wall); wall {ledger.wall:.2f} s since submission"
+              + ("" if info["ended_at"] else " (the job is still active: up to now)"))
 
 
 @job_app.command("logs")

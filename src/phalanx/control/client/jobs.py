@@ -187,6 +187,18 @@ class JobClient:
 
             return {**self._offline(read), "controller_down_since": self.offline_since}
 
+    def goodput(self, job: str, info: dict | None = None):
+        """The job's goodput ledger (`phalanx.observability.goodput.Ledger`), computed here from its run's files:
+        `<checkpoint_dir>/events.jsonl` and, for a training job, `<run_dir>/metrics.jsonl`. `info`: the job's
+        description if already read. Raises JobError for an unknown job, RunFilesMissing naming a missing file."""
+        from phalanx.observability.goodput import read_run  # (the client's, never the controller's import)
+
+        info = info or self.describe(job)
+        cwd = Path(info["cwd"] or ".")
+        run_dir = (info.get("config") or {}).get("run_dir") if info["kind"] == "train" else None
+        return read_run(cwd / info["checkpoint_dir"], cwd / run_dir if run_dir else None,
+                        end=info["ended_at"])
+
     def wait(self, job: str, *, timeout_s: float = 600.0, states: Sequence[str] = FINAL_STATES,
              poll_s: float = 0.2) -> dict:
         """Poll until the job is in one of `states` (default: finished). Raises TimeoutError."""
