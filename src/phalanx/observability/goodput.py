@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left, bisect_right
 import statistics
 import time
 from collections import defaultdict
@@ -128,7 +129,8 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
     normal = statistics.median([s.seconds for s in runs]) if runs else 0.0
     last = {s.step: i for i, s in enumerate(runs)}
     gens = _generation_starts(ctl, rank0)
-    firsts = {_first_after(runs, g) for g in gens} - {None}
+    ends = [s.end for s in runs]
+    firsts = {_first_after(ends, g) for g in gens} - {None}
     core_start = {}
     for i, s in enumerate(runs):
         d = min(s.seconds, normal) if i in firsts else s.seconds
@@ -141,8 +143,8 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
         secs = _num(e.fields.get("seconds"))
         if e.kind == K.CHECKPOINT_SAVED and secs is not None:
             start = e.time - secs
-            if e.fields.get("async"):
-                start = max([start] + [t for t in life if t < e.time - 1e-9])
+            if e.fields.get("async") and (i := bisect_left(life, e.time)) > 0:
+                start = max(start, life[i - 1])
             add(start, e.time, CHECKPOINT_SAVE)
         elif e.kind == K.CHECKPOINT_STARTED and secs is not None:
             add(e.time - secs, e.time, CHECKPOINT_SAVE)
@@ -153,12 +155,13 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
 
     # faults: F (last sign of life) → K (the controller knows) → the next generation's first step
     def first_core_after(t: float) -> float:
-        i = _first_after(runs, t)
+        i = _first_after(ends, t)
         return core_start[i] if i is not None else end
 
     known = _faults_known(ctl, gens) if any(e.kind == K.GENERATION for e in ctl) else []  # (a cluster's run)
     for g, k in known:
-        f = max([g] + [t for t in life if g <= t < k])
+        i = bisect_left(life, k)
+        f = max(g, life[i - 1]) if i > 0 else g
         add(f, k, FAILURE_DETECTION)
         nxt = next((t for t in gens if t > k), None)
         add(k, first_core_after(nxt) if nxt is not None else end, RECOVERY)
@@ -194,8 +197,10 @@ def _steps(records: list[dict], rank0: list[Event]) -> list[_Step]:
     return sorted(out, key=lambda s: s.end)
 
 
-def _first_after(runs: list[_Step], t: float) -> int | None:
-    return next((i for i, s in enumerate(runs) if s.end > t), None)
+def _first_after(ends: list[float], t: float) -> int | None:
+    """The index of the first step that ends after `t` (`ends` sorted), None if none does."""
+    i = bisect_right(ends, t)
+    return i if i < len(ends) else None
 
 
 def _generation_starts(ctl: list[Event], rank0: list[Event]) -> list[float]:
