@@ -158,6 +158,18 @@ def test_a_job_still_running_is_counted_up_to_the_end_given_and_nothing_after_it
     assert seconds(compute([submitted()], [], T0 + 4)) == expect(initialization=4)
 
 
+def test_a_run_dir_used_by_two_jobs_counts_only_the_jobs_own_events_and_steps():
+    from dataclasses import replace
+
+    first = [submitted(), *generation(1, 1), r0(2, "started"), ended(8)]
+    second = [replace(e, job="2", time=e.time + 20) for e in first]
+    steps = [step(1, 4, 2.0), step(2, 5), step(3, 6), step(1, 24, 2.0), step(2, 25), step(3, 26)]
+    newest = compute(first + second, steps)  # the newest job by default: steps 1-3 again are not replays
+    assert newest.submitted == T0 + 20 and seconds(newest) == expect(productive=3, initialization=3, idle=2)
+    older = compute(first + second, steps, job="1")
+    assert older.end == T0 + 8 and seconds(older) == expect(productive=3, initialization=3, idle=2)
+
+
 def test_read_run_skips_torn_and_broken_lines_and_names_a_missing_file(tmp_path):
     ckpt, run = tmp_path / "checkpoints", tmp_path / "run"
     with pytest.raises(RunFilesMissing, match=str(ckpt / "events.jsonl")):

@@ -38,7 +38,9 @@ is the warm-up, which the window it falls in (initialization or recovery) takes.
 Times: the controller's `generation` events (source "controller") start generations; `submitted` is the
 job's first `job` event (to pending), else (a run outside a cluster) the earliest record. A record that rank
 0 wrote after a fault on behalf of a step completed before it (`logged_after_fault`) is placed to end at the
-fault (`fault_detected.at`). Everything is clipped to [submitted, end].
+fault (`fault_detected.at`). Everything is clipped to [submitted, end]. When several jobs used the same run
+dir (a config submitted again), only the job's own events count (by their `job`; default the newest job
+submitted) and only the step records inside its span.
 
 Must not know: the controller, the training loop, torch; standard library only (the CLI imports it).
 """
@@ -105,16 +107,22 @@ class _Step:
     seconds: float
 
 
-def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
+def compute(events: list[Event], steps: list[dict], end: float | None = None, *, job: str | None = None,
             submitted: float | None = None) -> Ledger:
-    """The ledger of a run from its events (any order), its step records (metrics.jsonl lines with a `step`
-    and a `step_time_s`) and its end (default: the job's final `job` event, else its last record)."""
+    """The ledger of a job from its run's events (any order), its step records (metrics.jsonl lines with a
+    `step` and a `step_time_s`) and its end (default: the job's final `job` event, else its last record).
+    `job`: whose events count when several jobs used the same run dir (default: the newest one submitted);
+    steps outside the job's span are not its own."""
     events = sorted(events, key=lambda e: e.time)
+    if job is None:
+        job = next((e.job for e in reversed(events) if _submission(e)), None)
+    if job is not None:
+        events = [e for e in events if e.job == job]
     ctl = [e for e in events if e.source == "controller"]
     rank0 = [e for e in events if e.source.startswith("rank:")]
     runs = _steps(steps, rank0)
     if submitted is None:
-        sub = [e.time for e in ctl if e.kind == K.JOB and e.fields.get("to_state") == "pending"]
+        sub = [e.time for e in ctl if _submission(e)]
         starts = [e.time for e in events] + [s.end - s.seconds for s in runs]
         submitted = sub[0] if sub else min(starts, default=end if end is not None else time.time())
     if end is None:
@@ -122,6 +130,7 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
         records = [e.time for e in events] + [s.end for s in runs]
         end = final[-1] if final else (max(records, default=submitted) if not ctl else time.time())
     end = max(end, submitted)
+    runs = [s for s in runs if s.end > submitted and s.end - s.seconds < end]  # (another job's, in the same dir)
     intervals: list[tuple[float, float, str]] = []
     add = lambda a, b, what: intervals.append((a, b, what))  # noqa: E731
 
@@ -227,6 +236,10 @@ def _faults_known(ctl: list[Event], gens: list[float]) -> list[tuple[float, floa
     return out
 
 
+def _submission(e: Event) -> bool:
+    return e.source == "controller" and e.kind == K.JOB and e.fields.get("to_state") == "pending"
+
+
 def _says_fault(e: Event) -> bool:
     if e.kind == K.JOB:
         to = e.fields.get("to_state")
@@ -284,11 +297,13 @@ def read_steps(run_dir: Path | str) -> list[dict]:
     return out
 
 
-def read_run(checkpoint_dir: Path | str, run_dir: Path | str | None, *, end: float | None = None) -> Ledger:
+def read_run(checkpoint_dir: Path | str, run_dir: Path | str | None, *, end: float | None = None,
+             job: str | None = None) -> Ledger:
     """The ledger of a run from `<checkpoint_dir>/events.jsonl` and `<run_dir>/metrics.jsonl` (`run_dir` None:
-    a command job, no steps). Raises RunFilesMissing naming the file that is not there."""
+    a command job, no steps); `job`: which job's (default: the newest submitted). Raises RunFilesMissing naming
+    the file that is not there."""
     path = events_path(checkpoint_dir)
     if not path.is_file():
         raise RunFilesMissing(f"{path}: no such file (the run's event stream; the ledger needs it)")
     steps = read_steps(run_dir) if run_dir is not None else []
-    return compute(read_events(checkpoint_dir), steps, end)
+    return compute(read_events(checkpoint_dir), steps, end, job=job)

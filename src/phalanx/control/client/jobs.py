@@ -197,7 +197,7 @@ class JobClient:
         cwd = Path(info["cwd"] or ".")
         run_dir = (info.get("config") or {}).get("run_dir") if info["kind"] == "train" else None
         return read_run(cwd / info["checkpoint_dir"], cwd / run_dir if run_dir else None,
-                        end=info["ended_at"])
+                        end=info["ended_at"], job=info["id"])
 
     def wait(self, job: str, *, timeout_s: float = 600.0, states: Sequence[str] = FINAL_STATES,
              poll_s: float = 0.2) -> dict:
