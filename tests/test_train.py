@@ -57,6 +57,18 @@ def test_metrics_records_and_the_progress_line(tmp_path, demo_data, capfd):
     for part in ("grad_norm ", "lr ", "consumed 16 ", "iter ", "tok/s"):
         assert part in lines[0], lines[0]
 
+    # the goodput ledger from the run's files (outside a cluster rank 0's records span the run): every second in
+    # exactly one category, the steps productive, nothing replayed or lost to a fault
+    from phalanx.observability.goodput import read_run
+
+    ledger = read_run(config.checkpoint_dir, config.run_dir)
+    assert abs(sum(ledger.seconds.values()) - ledger.wall) <= 1e-6, ledger.seconds
+    step_s = [s["step_time_s"] for s in steps]
+    assert sum(step_s[1:]) - 1e-6 <= ledger.seconds["productive"] <= sum(step_s) + 1e-6, (ledger.seconds, step_s)
+    assert ledger.seconds["checkpoint_save"] > 0 and ledger.seconds["initialization"] > 0
+    assert ledger.seconds["replayed"] == ledger.seconds["failure_detection"] == ledger.seconds["recovery"] == 0
+    assert 0 < ledger.goodput < 1
+
 
 def test_stop_at_15_and_resume_to_30_is_exact(tmp_path, demo_data, reference):
     run_dir = tmp_path / "pieces"
