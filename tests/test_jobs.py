@@ -436,6 +436,21 @@ def test_killed_node_is_replaced_by_the_spare_and_training_resumes_from_the_chec
         assert abs(s["loss"] - before[s["step"]]) <= 1e-5, (s["step"], s["loss"], before[s["step"]])
     assert set(committed_steps(run_dir / "checkpoints")) >= {resumed["step"], 24}
 
+    # the goodput ledger from the run's files: every second since submission in exactly one category; the kill
+    # is failure detection, the restart recovery, and the first execution of each redone step is replayed
+    ledger = jobs.goodput("tiny")
+    assert abs(sum(ledger.seconds.values()) - ledger.wall) <= 1e-6, ledger.seconds
+    assert ledger.wall == pytest.approx(info["ended_at"] - info["created_at"], abs=0.5)
+    g = ledger.seconds
+    assert g["productive"] > 0 and g["failure_detection"] > 0 and g["recovery"] > 0 and g["checkpoint_restore"] > 0
+    redone = sum(s["step_time_s"] for s in runs[0] if s["step"] > resumed["step"])
+    assert g["replayed"] == pytest.approx(redone, abs=1e-6), (g, redone)
+    if overlap:  # (empty when the kill landed between a checkpoint and the next step's end: nothing redone)
+        assert g["replayed"] > 0
+    code, out = cli("job", "goodput", "tiny")
+    assert code == 0 and "failure_detection" in out and f"goodput {ledger.goodput:.1%}" in flat(out), out
+    print(f"goodput {ledger.goodput:.1%} of {ledger.wall:.2f} s: " + ", ".join(f"{c} {s:.2f}" for c, s in g.items()))
+
     detected = first["stop_at"] - injected_at
     restarted = second["started_at"] - injected_at
     first_step = runs[1][0]["time"] - injected_at
