@@ -123,6 +123,13 @@ def test_killed_node_recovers_from_peers_memory_with_the_same_loss_at_every_step
     controller = {e["kind"]: e["reason"] for e in info["events"]}  # the recovery in the controller's events too
     assert {"fault_detected", "generation", "pg_rebuilt", "state_restored", "resumed"} <= set(controller), controller
     assert f"training resumed at step {resumed['step']}" in controller["resumed"], controller["resumed"]
+    # the goodput ledger from the run's files: the fault → the controller is failure detection, the regroup and
+    # the restore from peers' memory recovery; with a replica nothing is redone, so nothing is replayed
+    ledger = jobs.goodput("cl")
+    assert abs(sum(ledger.seconds.values()) - ledger.wall) <= 1e-6, ledger.seconds
+    g = ledger.seconds
+    assert g["productive"] > 0 and g["failure_detection"] > 0 and g["recovery"] > 0 and g["checkpoint_restore"] == 0
+    assert (g["replayed"] == 0) if resumed["steps_lost"] == 0 else (g["replayed"] > 0), (g, resumed)
 
 
 # ---- a node that stays alive: a failed health check, a frozen agent ----------------------------------------------

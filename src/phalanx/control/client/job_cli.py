@@ -186,8 +186,9 @@ def _ledger(client, info: dict):
     """(the job's goodput ledger, None) or (None, why not: the missing run file, named)."""
     try:
         return client.goodput(info["id"], info), None
-    except FileNotFoundError as e:  # RunFilesMissing: the message names the file
-        return None, str(e)
+    except OSError as e:  # RunFilesMissing (the message names the file), or a file that cannot be read
+        return None, str(e) if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
+
 
 
 def _goodput_line(ledger) -> str:
