@@ -130,6 +130,17 @@ def test_waiting_for_nodes_before_the_first_generation_and_after_a_fault():
         recovery=3.6, checkpoint_restore=1.0, idle=0.5)
 
 
+def test_a_generation_that_fails_while_starting_counts_no_failure_detection():
+    # generation 2 dies before rank 0 says anything: when it failed is unknown; its time stays in recovery
+    events = [submitted(), *generation(1, 1), r0(2, "started"),
+              ctl(6, "job", "stopping", from_state="running", to_state="recovering"), *generation(7, 2),
+              ctl(9, "job", "stopping again", from_state="running", to_state="recovering"), *generation(10, 3),
+              r0(12, "resumed", step=2, seconds=1.0), ended(16.5)]
+    steps = [step(1, 4, 2.0), step(2, 5), step(3, 14, 2.0), step(4, 15), step(5, 16)]
+    assert seconds(compute(events, steps)) == expect(productive=5, initialization=3, failure_detection=1,
+                                                     recovery=6, checkpoint_restore=1, idle=0.5)
+
+
 def test_async_saves_count_only_the_time_they_blocked():
     events = [submitted(), *generation(1, 1), r0(2, "started"),
               r0(5.2, "checkpoint_started", step=2, seconds=0.2),

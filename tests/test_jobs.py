@@ -474,6 +474,12 @@ def test_without_a_free_spare_the_job_waits_for_a_fresh_node(tmp_path, home):
     healthy_at = next(e["time"] for e in client.events(node="workers-2") if e["to_state"] == "healthy")
     assert info["generations"][1]["started_at"] >= healthy_at, "generation 2 waited for the fresh node"
     jobs.cancel(job["id"])
+    # the goodput ledger (a command job: no steps): the fault → the next generation is recovery, and the time the
+    # controller said it waited for a node (when the fresh node was not up by then) is waiting_for_nodes
+    ledger = jobs.goodput(job["id"])
+    waited = any(e["kind"] == "waiting" for e in jobs.describe(job["id"])["events"])
+    assert abs(sum(ledger.seconds.values()) - ledger.wall) <= 1e-6 and ledger.seconds["productive"] == 0
+    assert ledger.seconds["recovery"] > 0 and (ledger.seconds["waiting_for_nodes"] > 0) == waited, ledger.seconds
 
 
 # ---- hang detection ------------------------------------------------------------------------------------

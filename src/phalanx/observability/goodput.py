@@ -20,8 +20,10 @@ Priority (highest first) and where each interval comes from:
                       back to the disk: `state_restored` with source `checkpoint` (t − seconds, t]
   failure_detection   F → K: K is the controller's first word of a fault in a generation (the job → recovering,
                       a `recovery` or `hang` event, the job → failed from running; or the next generation
-                      itself when none came), F rank 0's last sign of life before K (the end of its last step,
-                      its last event, or the generation's start)
+                      itself when none came), F rank 0's last sign of life in the generation before K (the end
+                      of its last step, or its last event); none (a command job, a generation that failed while
+                      starting): the fault's moment is unknown, nothing is counted here (the time stays in
+                      initialization or recovery)
   waiting_for_nodes   a controller `waiting` event of the job → its next generation (or the end)
   recovery            K → the start of the first step of the next generation (regroup, stopping and relaunching
                       processes, restore from peers, the first step's warm-up); a restore from a checkpoint
@@ -170,7 +172,7 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
     known = _faults_known(ctl, gens) if any(e.kind == K.GENERATION for e in ctl) else []  # (a cluster's run)
     for g, k in known:
         i = bisect_left(life, k)
-        f = max(g, life[i - 1]) if i > 0 else g
+        f = life[i - 1] if i > 0 and life[i - 1] > g else k  # no sign of life: the fault's moment is unknown
         add(f, k, FAILURE_DETECTION)
         nxt = next((t for t in gens if t > k), None)
         add(k, first_core_after(nxt) if nxt is not None else end, RECOVERY)
