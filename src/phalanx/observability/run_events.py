@@ -31,6 +31,11 @@ def events_path(run_dir: Path | str) -> Path:
     return Path(run_dir) / EVENTS_FILE
 
 
+def job_run_dir(cwd: str | None, checkpoint_dir: str) -> Path:
+    """A job's run dir as every side names it: its checkpoint_dir, against the job's cwd when relative."""
+    return Path(cwd or ".", checkpoint_dir)
+
+
 class JsonlSink:
     """Appends each event to `path` as one JSON line, creating the parent directories. The file is opened for
     each event (events are rare) so a file or directory removed in between is simply made again."""

@@ -35,7 +35,7 @@ from phalanx.control.agent.standby import Standby, StandbyPool
 from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
                                           signal_group)
 from phalanx.observability.events import EventKind, EventLog
-from phalanx.observability.run_events import RunEventFiles
+from phalanx.observability.run_events import RunEventFiles, job_run_dir
 
 log = logging.getLogger("phalanx.agent.workers")
 
@@ -73,8 +73,9 @@ class WorkerSupervisor(StandbyPool):
             self.held = {a.job for a in assignments if a.hold}
             assignments = [a for a in assignments if not a.hold]
             self.desired = {(a.job, a.generation) for a in assignments}
-            self.run_dirs.update({a.job: Path(a.cwd or ".", a.checkpoint_dir) for a in assignments
-                                  if a.checkpoint_dir})
+            for a in assignments:  # (a job's run dir never changes: recorded once, not at every reply)
+                if a.checkpoint_dir and a.job not in self.run_dirs:
+                    self.run_dirs[a.job] = job_run_dir(a.cwd, a.checkpoint_dir)
             for w in self.workers.values():  # waiting for the next generation on purpose: not a hang
                 if w.job in self.held and w.state == "running":
                     w.last_change = w.last_beat_change = now

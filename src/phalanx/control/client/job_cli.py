@@ -190,7 +190,6 @@ def _ledger(client, info: dict):
         return None, str(e) if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
 
 
-
 def _goodput_line(ledger) -> str:
     from phalanx.observability.goodput import CATEGORIES
 

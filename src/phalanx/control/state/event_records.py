@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from phalanx.observability.events import Event, EventKind, EventLog
-from phalanx.observability.run_events import RunEventFiles
+from phalanx.observability.run_events import RunEventFiles, job_run_dir
 
 
 class EventRecords:
@@ -43,7 +43,7 @@ class EventRecords:
     def run_dir(self, job: str) -> Path | None:
         """Where a job's events.jsonl goes: its checkpoint_dir (against its cwd when relative); None: no such job."""
         rows = self._exec("SELECT cwd, checkpoint_dir FROM jobs WHERE id=?", (job,))
-        return Path(rows[0]["cwd"], rows[0]["checkpoint_dir"]) if rows and rows[0]["checkpoint_dir"] else None
+        return job_run_dir(rows[0]["cwd"], rows[0]["checkpoint_dir"]) if rows and rows[0]["checkpoint_dir"] else None
 
     def events(self, *, since_id: int = 0, node: str | None = None, job: str | None = None,
                limit: int | None = None) -> list[dict]:
