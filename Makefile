@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPROC ?= 4
 
-.PHONY: install demo test bench clean
+.PHONY: install system-deps demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,19 @@ demo: $(STAMP) data/demo/train.bin
 	rm -rf runs/demo
 	OMP_NUM_THREADS=1 $(VENV)/bin/phalanx demo recipes/tiny-llama.yaml --run-dir runs/demo --nodes $(NPROC)
 
-test: $(STAMP)
+# System packages the tests drive for real: Prometheus scrapes a cluster, headless Chromium opens the dashboard.
+# Installed from Debian when running as root (CI is); otherwise they must already be on PATH.
+SYSTEM_PACKAGES := prometheus chromium chromium-driver
+system-deps:
+	@missing=""; for b in prometheus chromium chromedriver; do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing$$missing (Debian: $(SYSTEM_PACKAGES))"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; \
+	  else echo "missing$$missing: install the Debian packages $(SYSTEM_PACKAGES) (as root), then run make test again" >&2; exit 1; fi; \
+	fi
+
+test: $(STAMP) system-deps
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 
 bench: $(STAMP)
