@@ -36,6 +36,13 @@ def job_run_dir(cwd: str | None, checkpoint_dir: str) -> Path:
     return Path(cwd or ".", checkpoint_dir)
 
 
+def job_metrics_dir(kind: str, cwd: str | None, config: dict | None) -> Path | None:
+    """Where a job's rank 0 writes metrics.jsonl: a training job's `run_dir` (against its cwd); None for a
+    command job (no step records)."""
+    run_dir = (config or {}).get("run_dir") if kind == "train" else None
+    return Path(cwd or ".", run_dir) if run_dir else None
+
+
 class JsonlSink:
     """Appends each event to `path` as one JSON line, creating the parent directories. The file is opened for
     each event (events are rare) so a file or directory removed in between is simply made again."""

@@ -191,13 +191,12 @@ class JobClient:
         """The job's goodput ledger (`phalanx.observability.goodput.Ledger`), computed here from its run's files:
         `<checkpoint_dir>/events.jsonl` and, for a training job, `<run_dir>/metrics.jsonl`. `info`: the job's
         description if already read. Raises JobError for an unknown job, RunFilesMissing naming a missing file."""
-        from phalanx.observability.goodput import read_run  # (the client's, never the controller's import)
-        from phalanx.observability.run_events import job_run_dir
+        from phalanx.observability.goodput import read_run
+        from phalanx.observability.run_events import job_metrics_dir, job_run_dir
 
         info = info or self.describe(job)
-        cwd = Path(info["cwd"] or ".")
-        run_dir = (info.get("config") or {}).get("run_dir") if info["kind"] == "train" else None
-        return read_run(job_run_dir(info["cwd"], info["checkpoint_dir"]), cwd / run_dir if run_dir else None,
+        return read_run(job_run_dir(info["cwd"], info["checkpoint_dir"]),
+                        job_metrics_dir(info["kind"], info["cwd"], info.get("config")),
                         end=info["ended_at"], job=info["id"])
 
     def wait(self, job: str, *, timeout_s: float = 600.0, states: Sequence[str] = FINAL_STATES,
