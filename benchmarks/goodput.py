@@ -1,0 +1,254 @@
+"""Goodput under a steady stream of failures, three ways on the same job and the same failure schedule, run
+one after the other: Phalanx checkpointless, Phalanx restart-from-checkpoint, and torchrun `--max-restarts`.
+
+The job is `benchmarks/recovery.py`'s (the tiny Llama, 4 ranks as HSDP 2 × 2, global batch 8, a synchronous
+checkpoint every `--interval` steps) with no step limit in reach. From the job's start, every `--period`
+seconds one rank's node is SIGKILLed (`phalanx fault inject --kind kill-node`; torchrun: the rank's process),
+the ranks taken in turn 1, 2, 3, 0, 1, ... of the current generation; the spare pool refills on its own
+between kills (a cluster of 4 `local.cpu-1` nodes + 1 spare). After `--duration` seconds the job is stopped.
+
+  goodput           committed samples ÷ (wall × failure-free throughput): the step the run had reached at the
+                    end (steps redone after a rollback count once) × the failure-free run's median step time,
+                    ÷ the wall time from submission (torchrun: launch) to the end
+  ledger_goodput    Phalanx only: the job's goodput ledger's productive ÷ wall (`phalanx job goodput`), the
+                    same time attributed from the run's own events
+  kills             the faults injected; generations: the job's generations (Phalanx)
+
+The failure-free throughput: the same job on the same harness without faults for `--baseline-steps` steps,
+median step time after 5 steps of warm-up (run first, per harness).
+
+BENCHMARKS.md's setting is a SIGKILL every 30 s for 5 minutes; the default here is that period over 150 s (5
+kills) to fit this 2-core machine's time: pass `--duration 300` for the full one.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/goodput.py --runs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recovery import (NODES, CheckpointlessHarness, PhalanxHarness, job_tree, prepare_data,  # noqa: E402
+                      wait_for_step)
+from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
+
+from phalanx.control.backends.local import child_with_env  # noqa: E402
+
+RANK_ORDER = (1, 2, 3, 0)
+FOREVER = 1_000_000  # max_steps: never reached within the run
+
+
+def steps_of(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    out = []
+    for line in metrics.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if "event" not in r and "step" in r:
+            out.append(r)
+    return out
+
+
+def normal_step_s(steps: list[dict], warmup: int = 5) -> float:
+    return median([s["step_time_s"] for s in steps[warmup:]] or [s["step_time_s"] for s in steps])
+
+
+class PhalanxRun:
+    """Submit, kill on schedule, stop at the deadline; the job's own figures."""
+
+    def __init__(self, harness: PhalanxHarness):
+        self.h = harness
+        self.name = harness.name
+
+    def _wait_spare(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.h.spare_ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the spare pool was not refilled within 120 s")
+            time.sleep(0.2)
+
+    def baseline(self, tree: dict, steps: int) -> float:
+        from phalanx.train.config import config_from_dict
+
+        self._wait_spare()
+        tree = {**tree, "training": {**tree["training"], "max_steps": steps}}
+        job = self.h.jobs.submit(config_from_dict(tree), nodes=NODES, name=Path(tree["run_dir"]).name,
+                                 recovery=self.h.recovery)
+        info = self.h.jobs.wait(job["id"], timeout_s=600)
+        if info["state"] != "succeeded":
+            raise RuntimeError(f"baseline job {job['id']}: {info['state']}: {info['reason']}")
+        return normal_step_s(steps_of(Path(tree["run_dir"]) / "metrics.jsonl"))
+
+    def run(self, tree: dict, duration: float, period: float) -> dict:
+        from phalanx.train.config import config_from_dict
+
+        self._wait_spare()
+        run_dir = Path(tree["run_dir"])
+        start = time.time()
+        job = self.h.jobs.submit(config_from_dict(tree), nodes=NODES, auto_resume=True, name=run_dir.name,
+                                 recovery=self.h.recovery)
+        kills, i = [], 0
+        while (now := time.time()) < start + duration:
+            due = start + period * (len(kills) + 1)
+            if now < due:
+                time.sleep(min(0.2, due - now))
+                continue
+            info = self.h.jobs.describe(job["id"])
+            if info["state"] not in ("pending", "running", "recovering"):
+                raise RuntimeError(f"job {job['id']}: {info['state']} after {len(kills)} kills: {info['reason']}")
+            gen = info["generations"][-1] if info["generations"] else None
+            if info["state"] != "running" or gen is None:
+                kills.append({"at": now - start, "skipped": f"job {info['state']}"})  # nothing running to kill
+                continue
+            rank = RANK_ORDER[i % len(RANK_ORDER)]
+            i += 1
+            self.h.client.inject_fault(gen["nodes"][rank], "kill-node")
+            kills.append({"at": round(now - start, 3), "rank": rank, "node": gen["nodes"][rank],
+                          "generation": gen["generation"]})
+        end = time.time()
+        reached = max((s["step"] for s in steps_of(run_dir / "metrics.jsonl") if s["time"] <= end), default=0)
+        self.h.jobs.cancel(job["id"])
+        info = self.h.jobs.describe(job["id"])
+        ledger = self.h.jobs.goodput(job["id"], info)
+        return {"wall_s": end - start, "reached_step": reached, "kills": kills,
+                "generations": len(info["generations"]), "ledger_goodput": ledger.goodput,
+                "ledger_seconds": ledger.seconds}
+
+
+class TorchrunRun:
+    name = "torchrun"
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _launch(self, tree: dict, restarts: int):
+        from phalanx.train.config import config_from_dict, dump_config
+
+        run_dir = Path(tree["run_dir"])
+        run_dir.mkdir(parents=True)
+        config_path = run_dir / "config.json"
+        config_path.write_text(json.dumps(dump_config(config_from_dict(tree))))
+        env = cpu_env()
+        env["PHALANX_CONFIG"] = str(config_path)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NODES),
+                "--max-restarts", str(restarts), "--monitor-interval", "0.1", "-m", "phalanx.train.worker"]
+        log = open(run_dir / "torchrun.log", "w")
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+    def baseline(self, tree: dict, steps: int) -> float:
+        tree = {**tree, "training": {**tree["training"], "max_steps": steps}}
+        proc, log = self._launch(tree, 0)
+        with log:
+            code = proc.wait(timeout=600)
+        if code != 0:
+            raise RuntimeError(f"baseline torchrun exited with {code}")
+        return normal_step_s(steps_of(Path(tree["run_dir"]) / "metrics.jsonl"))
+
+    def run(self, tree: dict, duration: float, period: float) -> dict:
+        run_dir = Path(tree["run_dir"])
+        start = time.time()
+        proc, log = self._launch(tree, 1000)
+        kills, i = [], 0
+        try:
+            while (now := time.time()) < start + duration:
+                due = start + period * (len(kills) + 1)
+                if now < due:
+                    time.sleep(min(0.2, due - now))
+                    continue
+                if proc.poll() is not None:
+                    raise RuntimeError(f"torchrun exited with {proc.returncode} after {len(kills)} kills")
+                rank = RANK_ORDER[i % len(RANK_ORDER)]
+                pid = child_with_env(proc.pid, "RANK", str(rank))
+                if pid is None:  # between restarts: no worker of that rank right now
+                    kills.append({"at": round(now - start, 3), "skipped": f"no rank {rank} process"})
+                    continue
+                i += 1
+                os.kill(pid, signal.SIGKILL)
+                kills.append({"at": round(now - start, 3), "rank": rank})
+            end = time.time()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+        reached = max((s["step"] for s in steps_of(run_dir / "metrics.jsonl") if s["time"] <= end), default=0)
+        return {"wall_s": end - start, "reached_step": reached, "kills": kills}
+
+    def close(self) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1, help="runs per harness")
+    parser.add_argument("--duration", type=float, default=150.0, help="seconds of each run (BENCHMARKS.md: 300)")
+    parser.add_argument("--period", type=float, default=30.0, help="seconds between kills")
+    parser.add_argument("--interval", type=int, default=25, help="checkpoint interval (steps)")
+    parser.add_argument("--baseline-steps", type=int, default=40)
+    parser.add_argument("--harness", default="checkpointless,phalanx,torchrun")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "goodput.json")
+    args = parser.parse_args()
+    os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+
+    root = Path(tempfile.mkdtemp(prefix="phalanx-goodput-"))
+    data = prepare_data(root)
+    names = args.harness.split(",")
+    runners, cluster = [], None
+    for name in names:
+        if name in ("phalanx", "checkpointless"):
+            h = (CheckpointlessHarness if name == "checkpointless" else PhalanxHarness)(root, cluster)
+            cluster = cluster or h
+            runners.append(PhalanxRun(h))
+        else:
+            runners.append(TorchrunRun(root))
+    samples: dict[str, list[dict]] = {r.name: [] for r in runners}
+    try:
+        for r in runners:
+            step_s = r.baseline(job_tree(root / f"{r.name}-baseline", data, FOREVER, args.interval), args.baseline_steps)
+            samples[r.name + "_baseline_step_s"] = step_s
+            print(f"{r.name:>14}: failure-free median step {step_s:.4f} s", flush=True)
+        for i in range(args.runs):
+            for r in runners:
+                s = r.run(job_tree(root / f"{r.name}-{i}", data, FOREVER, args.interval), args.duration, args.period)
+                step_s = samples[r.name + "_baseline_step_s"]
+                s["goodput"] = s["reached_step"] * step_s / s["wall_s"]
+                samples[r.name].append(s)
+                killed = sum("rank" in k for k in s["kills"])
+                print(f"run {i + 1}/{args.runs} {r.name:>14}: goodput {s['goodput']:.3f}  reached step "
+                      f"{s['reached_step']} in {s['wall_s']:.1f} s, {killed} kills" +
+                      (f", ledger goodput {s['ledger_goodput']:.3f}, {s['generations']} generations"
+                       if "ledger_goodput" in s else ""), flush=True)
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+    summary = {f"goodput_{'restart' if r.name == 'phalanx' else r.name}": round(median([s["goodput"] for s in samples[r.name]]), 4)
+               for r in runners if samples[r.name]}
+    summary.update({f"ledger_goodput_{'restart' if r.name == 'phalanx' else r.name}":
+                    round(median([s["ledger_goodput"] for s in samples[r.name]]), 4)
+                    for r in runners if samples[r.name] and "ledger_goodput" in samples[r.name][0]})
+    summary.update(failure_period_s=args.period, wall_s=args.duration)
+    path = write_results(args.out, {
+        "benchmark": "goodput",
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/goodput.py " + " ".join(sys.argv[1:]),
+        "config": {"nodes": NODES, "spares": 1, "duration_s": args.duration, "period_s": args.period,
+                   "checkpoint_interval": args.interval, "baseline_steps": args.baseline_steps,
+                   "rank_order": RANK_ORDER, "job": job_tree(Path("<run_dir>"), Path("<data>"), FOREVER, args.interval)},
+        "samples": samples, "summary": summary,
+    })
+    print(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
