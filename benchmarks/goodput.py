@@ -36,8 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery import (NODES, CheckpointlessHarness, PhalanxHarness, job_tree, prepare_data,  # noqa: E402
-                      wait_for_step)
+from recovery import NODES, CheckpointlessHarness, PhalanxHarness, job_tree, prepare_data  # noqa: E402
 from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
 
 from phalanx.control.backends.local import child_with_env  # noqa: E402
