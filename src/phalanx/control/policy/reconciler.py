@@ -28,16 +28,13 @@ import time
 from typing import Callable
 
 from phalanx.control.agent.health import REPLACE_NODE, summarize_failure
-from phalanx.control.state.store import BRINGUP_STATES, ClusterStatus, Node, NodeState, Store
+from phalanx.control.state.store import BRINGUP_STATES, FAULT_CAUSES, ClusterStatus, Node, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.reconciler")
 S = NodeState
 TERMINATE_GRACE_S = 5.0
 MAX_PROVISION_FAILURES = 3
-# Why a node went faulty: the bounded label of /metrics' node faults and replacements (`nodes.fault_cause`).
-FAULT_CAUSES = ("agent-gone", "heartbeat-timeout", "provision-timeout", "bringup-failed", "health-check",
-                "deep-check", "hang", "agent-start-failed")
 
 
 class Reconciler:
@@ -128,6 +125,8 @@ class Reconciler:
 
     def become_healthy(self, node: Node, extra: str) -> None:
         passed = ", ".join(f"{c['name']} {c['status']}" for c in node.health["checks"])
+        for c in node.health["checks"]:  # every check a node runs is a series of /metrics from 0 on
+            self.store.count("health_check_failures", c["name"], 0)
         self.store.transition(node.name, S.HEALTHY, f"health checks: {passed}{extra}")
         self._reset_failures(node.group)
         log.info("node %s healthy (%s)%s", node.name, "spare" if node.is_spare else "member", extra)
@@ -144,7 +143,8 @@ class Reconciler:
                 self.fault(node, detail, "deep-check")
 
     def fault(self, node: Node, reason: str, cause: str) -> None:
-        """Mark the node faulty; `cause`: one of FAULT_CAUSES (the job scheduler's is a hang)."""
+        """Mark the node faulty; `cause`: one of store.FAULT_CAUSES (the job scheduler's is a hang)."""
+        assert cause in FAULT_CAUSES, cause
         self.store.transition(node.name, S.FAULTY, reason, fault_cause=cause)
         self.store.count("node_faults", cause)
         if node.state in BRINGUP_STATES:

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.state.jobs import Job, JobRecords, JobState, Outcome
-from phalanx.control.state.store import NodeState, Store
+from phalanx.control.state.store import FAULT_CAUSES, NodeState, Store
 from phalanx.observability.follow import PHASE_BUCKETS, PHASES, Histogram, RunFollower
 from phalanx.observability.goodput import CATEGORIES
 
@@ -72,13 +72,14 @@ class ClusterCollector:
             age.add_metric([r["name"], r["group_name"], "spare" if r["is_spare"] else "member"],
                            max(0.0, now - r["last_heartbeat"]))
         yield age
-        for name, doc, label in (
-                ("health_check_failures", "Health checks that failed a node, by check", "check"),
-                ("node_faults", "Nodes marked faulty, by cause", "cause"),
+        for name, doc, label, known in (
+                ("health_check_failures", "Health checks that failed a node, by check (every check a healthy "
+                                          "node ran starts at 0)", "check", ()),
+                ("node_faults", "Nodes marked faulty, by cause", "cause", FAULT_CAUSES),
                 ("node_replacements", "Faulty member nodes replaced (by a spare or a fresh node), by the fault's "
-                                      "cause", "reason")):
+                                      "cause", "reason", FAULT_CAUSES)):
             family = CounterMetricFamily(f"phalanx_{name}", doc, labels=[label])
-            for value, n in sorted(self.store.counters(name).items()):
+            for value, n in sorted({**dict.fromkeys(known, 0), **self.store.counters(name)}.items()):
                 family.add_metric([value], n)
             yield family
 

@@ -26,7 +26,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     work_dir TEXT NOT NULL, job TEXT,
     created_at REAL NOT NULL, state_since REAL NOT NULL,
     acked_at REAL,      -- `sent_at` of the last heartbeat reply the agent says it acted on
-    fault_cause TEXT    -- why it went faulty, one word of a bounded set (the reconciler's FAULT_CAUSES)
+    fault_cause TEXT    -- why it went faulty, one of store.FAULT_CAUSES
 );
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, node TEXT, job TEXT, kind TEXT NOT NULL,

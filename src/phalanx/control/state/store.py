@@ -55,6 +55,10 @@ ALLOWED: dict[NodeState, set[NodeState]] = {
     S.TERMINATED: set(),
 }
 BRINGUP_STATES = (S.PROVISIONING, S.CONFIGURING, S.HEALTH_CHECKING)
+# Why a node went faulty (`nodes.fault_cause`, set by the reconciler): the bounded label of /metrics' node
+# faults and replacements.
+FAULT_CAUSES = ("agent-gone", "heartbeat-timeout", "provision-timeout", "bringup-failed", "health-check",
+                "deep-check", "hang", "agent-start-failed")
 
 
 class IllegalTransition(RuntimeError):
@@ -87,7 +91,7 @@ class Node:
     created_at: float
     state_since: float
     acked_at: float | None = None  # sent_at of the last heartbeat reply the agent acted on
-    fault_cause: str | None = None  # why it went faulty (one word: the reconciler's FAULT_CAUSES)
+    fault_cause: str | None = None  # why it went faulty (one of FAULT_CAUSES)
 
     @property
     def live(self) -> bool:
