@@ -207,7 +207,8 @@ def recovery_phases(events: list[Event], steps: list[dict], ledger: Ledger | Non
     """One dict per recovery (each generation after the first), with the phases known, in seconds:
       detect      the fault → the controller knows (the ledger's failure-detection segments, in order)
       regroup     checkpointless: the fault → every rank's new process groups built (rank 0's `pg_rebuilt`);
-                  restart: the controller knows → the new generation's rank 0 started (stop, relaunch, build)
+                  restart: the controller knows → the new generation's rank 0 started (stop, relaunch, build;
+                  its `started`, or for a resumed run, which writes none, the start of its checkpoint load)
       restore     the state loaded: from peers (`state_restored`) or the checkpoint (`resumed`'s seconds)
       first_step  the new generation's first step (its warm-up included)."""
     ctl_gens = [e.time for e in events if e.source == "controller" and e.kind == K.GENERATION]
@@ -223,16 +224,19 @@ def recovery_phases(events: list[Event], steps: list[dict], ledger: Ledger | Non
             phases["detect"] = detects[i - 1]
         rebuilt = next((e for e in mine if e.kind == K.PG_REBUILT), None)
         started = next((e for e in mine if e.kind == K.STARTED), None)
+        resumed = next((e for e in mine if e.kind == K.RESUMED), None)
+        up = started.time if started is not None else None
+        if up is None and resumed is not None:  # a resumed run writes no `started`: its load began when it was up
+            up = resumed.time - (_num(resumed.fields.get("seconds")) or 0.0)
         if rebuilt is not None:
             arrived, built = _num(rebuilt.fields.get("all_arrived_after_fault_s")), _num(rebuilt.fields.get("seconds"))
             if arrived is not None and built is not None:
                 phases["regroup"] = arrived + built
-        elif started is not None:
+        elif up is not None:
             known = [e.time for e in events if e.source == "controller" and ctl_gens[i - 1] <= e.time <= g
                      and (e.kind in (K.RECOVERY, K.HANG) or e.kind == K.JOB and e.fields.get("to_state") == "recovering")]
-            phases["regroup"] = max(0.0, started.time - (known[0] if known else g))
+            phases["regroup"] = max(0.0, up - (known[0] if known else g))
         restored = next((e for e in mine if e.kind == K.STATE_RESTORED), None)
-        resumed = next((e for e in mine if e.kind == K.RESUMED), None)
         secs = _num((restored or resumed).fields.get("seconds")) if (restored or resumed) else None
         if secs is not None:
             phases["restore"] = secs

@@ -66,8 +66,8 @@ def prometheus_binary() -> str:
 def scrape_config(cluster: str, target: str, token_file: Path, interval_s: float) -> str:
     """prometheus.yml for one cluster: its controller's /metrics, authenticated with the cluster token."""
     tree = {
-        "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s",
-                   "scrape_timeout": f"{max(0.5, min(interval_s, 10.0)) * 0.8:g}s"},
+        "global": {"scrape_interval": _duration(interval_s), "evaluation_interval": _duration(interval_s),
+                   "scrape_timeout": _duration(min(interval_s, 10.0))},
         "scrape_configs": [{
             "job_name": "phalanx",
             "metrics_path": "/metrics",
@@ -76,6 +76,11 @@ def scrape_config(cluster: str, target: str, token_file: Path, interval_s: float
         }],
     }
     return json.dumps(tree, indent=2) + "\n"  # JSON is YAML: no YAML writer needed
+
+
+def _duration(seconds: float) -> str:
+    """Prometheus' duration format takes whole units: milliseconds."""
+    return f"{max(1, round(seconds * 1000))}ms"
 
 
 def running_observer(paths: ClusterPaths) -> dict | None:
