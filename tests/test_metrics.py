@@ -132,3 +132,28 @@ def test_a_scrape_never_reads_the_events_table(tmp_path):
     store._db.set_trace_callback(None)
     assert statements and not calls
     assert not [s for s in statements if "events" in s.lower()], statements
+
+
+def test_a_state_db_from_before_the_metrics_gets_its_counters_table_and_fault_cause(tmp_path):
+    import re
+    import sqlite3
+
+    from phalanx.control.state.schema import SCHEMA
+
+    old = re.sub(r"\n\s*fault_cause TEXT[^\n]*", "", SCHEMA.replace("acked_at REAL,", "acked_at REAL"))
+    old = old[:old.index("CREATE TABLE IF NOT EXISTS counters")] + old[old.index("CREATE INDEX IF NOT EXISTS events_node"):]
+    assert "fault_cause" not in old and "counters" not in old
+    with sqlite3.connect(tmp_path / "state.db") as conn:
+        conn.executescript(old)
+        conn.execute("INSERT INTO groups (name, instance_type, count, spares) VALUES ('workers', 'local.cpu-1', 1, 0)")
+        conn.execute("INSERT INTO nodes (name, group_name, state, is_spare, work_dir, created_at, state_since) "
+                     "VALUES ('workers-0', 'workers', 'healthy', 0, '/w', 0, 0)")
+    store = Store(tmp_path / "state.db")
+    try:
+        assert store.node("workers-0").fault_cause is None and store.counters("node_faults") == {}
+        store.transition("workers-0", S.FAULTY, "no heartbeat", fault_cause="heartbeat-timeout")
+        store.count("node_faults", "heartbeat-timeout")
+        assert store.node("workers-0").fault_cause == "heartbeat-timeout"
+        assert store.counters("node_faults") == {"heartbeat-timeout": 1}
+    finally:
+        store.close()
