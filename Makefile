@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPROC ?= 4
 
-.PHONY: install system-deps demo test bench clean
+.PHONY: install system-deps demo test bench observe clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ system-deps:
 
 test: $(STAMP) system-deps
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+
+# Prometheus (the Debian package) scraping a running cluster's controller: `make observe [CLUSTER=name] [PORT=9090]`.
+observe: $(STAMP) system-deps
+	$(VENV)/bin/phalanx observe $(if $(CLUSTER),--cluster $(CLUSTER)) --port $(or $(PORT),9090)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --runs 5

@@ -76,6 +76,14 @@ def test_checkpointless_phases_come_from_rank_0s_recovery_events():
     assert recovery_phases(events, steps, None) == [{"regroup": 1.25, "restore": 0.5, "first_step": 0.75}]
 
 
+def test_a_resumed_restart_without_started_event_regroups_until_its_checkpoint_load_began():
+    """A restarted generation that resumes writes `resumed` (with the load's seconds) and no `started`."""
+    events = [ctl(0, "generation"), ctl(10, "job", "node fault", from_state="running", to_state="recovering"),
+              ctl(11, "generation"), r0(16, "resumed", step=4, seconds=1.0)]
+    steps = [{"step": 5, "time": T0 + 17.0, "step_time_s": 0.5}]
+    assert recovery_phases(events, steps, None) == [{"regroup": 5.0, "restore": 1.0, "first_step": 0.5}]
+
+
 def test_the_series_is_thinned_evenly_and_other_jobs_events_are_not_kept(tmp_path):
     ckpt, run, sink = run_files(tmp_path)
     f = RunFollower("2", ckpt, run, max_points=10)

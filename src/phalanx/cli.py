@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from phalanx.control.client.cli import cluster_app, fault_app
+from phalanx.control.client.cli import cluster_app, fault_app, observe
 from phalanx.control.client.job_cli import job_app
 from phalanx.data.cli import data_app
 
@@ -18,6 +18,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(fault_app, name="fault")
 app.add_typer(job_app, name="job")
+app.command("observe")(observe)
 err_console = Console(stderr=True, highlight=False)
 
 

@@ -5,7 +5,8 @@ A `RunFollower` keeps, per job, an offset into rank 0's `metrics.jsonl` (step re
 `events.jsonl` (every source's events, `run_events.py`). `poll()` reads only the bytes appended since the
 last poll (at most `max_bytes` a call: a long backlog is read over several polls), so its cost follows the
 new lines, not the file's length. What it keeps is compact: the step records the goodput ledger needs (step,
-time, seconds), the job's own events, running totals (tokens, steps), a step-time histogram, and a thinned
+time, seconds), the job's own events, running totals (tokens, steps), a step-time histogram, a checkpoint
+save-time histogram (rank 0's `checkpoint_saved` seconds), and a thinned
 series of (step, time, loss, tokens/s) for curves (at most `max_points`, evenly thinned as the run grows).
 
 The derived figures (`derived()`: the goodput ledger, recovery phase durations) are recomputed from what is
@@ -32,6 +33,7 @@ from phalanx.observability.run_events import events_path
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 PHASES = ("detect", "regroup", "restore", "first_step")
+SAVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class FileTail:
@@ -119,6 +121,7 @@ class RunFollower:
         self.last: dict | None = None  # the newest step record, whole
         self.tokens = 0.0  # tokens processed by every step executed (replayed ones too)
         self.step_seconds = Histogram(STEP_BUCKETS)
+        self.checkpoint_seconds = Histogram(SAVE_BUCKETS)  # rank 0's `checkpoint_saved`: start → committed
         self.series: list[tuple[int, float, float | None, float | None]] = []  # (step, time, loss, tokens/s)
         self._stride, self._seen = 1, 0
         self._derived: Derived | None = None
@@ -142,6 +145,10 @@ class RunFollower:
                 if event.job == self.job:
                     self.events.append(event)
                     self._dirty = True
+                    if event.kind == K.CHECKPOINT_SAVED and event.source == "rank:0":
+                        secs = _num(event.fields.get("seconds"))
+                        if secs is not None:
+                            self.checkpoint_seconds.observe(secs)
             for line in new_steps:
                 try:
                     record = json.loads(line)
@@ -200,7 +207,8 @@ def recovery_phases(events: list[Event], steps: list[dict], ledger: Ledger | Non
     """One dict per recovery (each generation after the first), with the phases known, in seconds:
       detect      the fault → the controller knows (the ledger's failure-detection segments, in order)
       regroup     checkpointless: the fault → every rank's new process groups built (rank 0's `pg_rebuilt`);
-                  restart: the controller knows → the new generation's rank 0 started (stop, relaunch, build)
+                  restart: the controller knows → the new generation's rank 0 started (stop, relaunch, build;
+                  its `started`, or for a resumed run, which writes none, the start of its checkpoint load)
       restore     the state loaded: from peers (`state_restored`) or the checkpoint (`resumed`'s seconds)
       first_step  the new generation's first step (its warm-up included)."""
     ctl_gens = [e.time for e in events if e.source == "controller" and e.kind == K.GENERATION]
@@ -216,16 +224,19 @@ def recovery_phases(events: list[Event], steps: list[dict], ledger: Ledger | Non
             phases["detect"] = detects[i - 1]
         rebuilt = next((e for e in mine if e.kind == K.PG_REBUILT), None)
         started = next((e for e in mine if e.kind == K.STARTED), None)
+        resumed = next((e for e in mine if e.kind == K.RESUMED), None)
+        up = started.time if started is not None else None
+        if up is None and resumed is not None:  # a resumed run writes no `started`: its load began when it was up
+            up = resumed.time - (_num(resumed.fields.get("seconds")) or 0.0)
         if rebuilt is not None:
             arrived, built = _num(rebuilt.fields.get("all_arrived_after_fault_s")), _num(rebuilt.fields.get("seconds"))
             if arrived is not None and built is not None:
                 phases["regroup"] = arrived + built
-        elif started is not None:
+        elif up is not None:
             known = [e.time for e in events if e.source == "controller" and ctl_gens[i - 1] <= e.time <= g
                      and (e.kind in (K.RECOVERY, K.HANG) or e.kind == K.JOB and e.fields.get("to_state") == "recovering")]
-            phases["regroup"] = max(0.0, started.time - (known[0] if known else g))
+            phases["regroup"] = max(0.0, up - (known[0] if known else g))
         restored = next((e for e in mine if e.kind == K.STATE_RESTORED), None)
-        resumed = next((e for e in mine if e.kind == K.RESUMED), None)
         secs = _num((restored or resumed).fields.get("seconds")) if (restored or resumed) else None
         if secs is not None:
             phases["restore"] = secs

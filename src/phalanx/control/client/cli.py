@@ -286,3 +286,37 @@ def inject(node: str = typer.Option(..., "--node", help="node name (see `cluster
         _fail(f"--rank goes with --kind kill-worker or hang-worker only, not --kind {kind.value}; drop --rank", 2)
     reply = _guard(lambda: ClusterClient(cluster).inject_fault(node, kind.value, rank=rank, xid=xid))
     out.print(f"{node}: {reply['kind']} — {reply['detail']}")
+
+
+def observe(cluster: Optional[str] = typer.Option(None, "--cluster", help="cluster name (optional when only one "
+                                                  "exists)"),
+            port: int = typer.Option(9090, "--port", help="Prometheus listens on 127.0.0.1:PORT"),
+            interval: float = typer.Option(2.0, "--interval", help="scrape interval, seconds"),
+            foreground: bool = typer.Option(False, "--foreground/--detach",
+                                            help="run Prometheus until Ctrl-C, or detached (the default) until "
+                                                 "`phalanx observe --stop` or `cluster delete`"),
+            stop: bool = typer.Option(False, "--stop", help="stop the cluster's Prometheus")) -> None:
+    """Start Prometheus (the `prometheus` binary) scraping the cluster's controller; prints its URL.
+    Dashboards: import deploy/grafana/phalanx.json into Grafana with this Prometheus as its data source."""
+    from phalanx.control.client.observe import start_observer, stop_observer
+
+    if stop:
+        pid = _guard(lambda: stop_observer(cluster))
+        out.print(f"Prometheus pid {pid} stopped" if pid else "no Prometheus was running for this cluster")
+        return
+    if interval <= 0:
+        _fail(f"--interval {interval:g}: give a positive number of seconds (e.g. 2)", 2)
+    started = _guard(lambda: start_observer(cluster, port=port, interval_s=interval, detach=not foreground))
+    if not foreground:
+        again = " (already running)" if started.get("already_running") else ""
+        out.print(f"Prometheus{again}: {started['url']}  (pid {started['pid']}, scraping every {interval:g} s; "
+                  f"config {started['config']}; `phalanx observe --stop` stops it)")
+        return
+    out.print(f"Prometheus: http://127.0.0.1:{port}  (pid {started.pid}; Ctrl-C stops it)")
+    try:
+        started.wait()
+    except KeyboardInterrupt:
+        started.terminate()
+        started.wait(timeout=15)
+    if started.returncode not in (0, -15, None):
+        _fail(f"prometheus exited with code {started.returncode}", 1)

@@ -5,7 +5,8 @@
                                    reason and the lifecycle script's output tail; nothing is left running)
     start_controller(name)         restart a stopped controller (nodes were left running)
     stop_controller(name)          stop only the controller
-    delete_cluster(name)           stop every node and the controller, prove nothing is left, remove the dir
+    delete_cluster(name)           stop every node and the controller (and its Prometheus, `observe.py`),
+                                   prove nothing is left, remove the dir
     ClusterClient(name)            describe / nodes / events / inject_fault over the HTTP API
                                    (jobs: `phalanx.control.client.jobs.JobClient`)
 
@@ -334,6 +335,9 @@ def delete_cluster(name: str | None = None, *, keep_files: bool = False, timeout
         why = "did not stop them" if pid else "is not running"
         print(f"controller of cluster {paths.name} {why}: stopped {stopped} nodes directly", file=sys.stderr)
     killed = _kill_leftovers(paths)
+    from phalanx.control.client.observe import stop_observer  # (it imports this module)
+
+    stop_observer(paths=paths)  # its Prometheus, if `phalanx observe` started one
     if keep_files:
         store = open_existing(paths.db)
         try:

@@ -27,8 +27,8 @@ import logging
 import time
 from typing import Callable
 
-from phalanx.control.agent.health import summarize_failure
-from phalanx.control.state.store import BRINGUP_STATES, ClusterStatus, Node, NodeState, Store
+from phalanx.control.agent.health import REPLACE_NODE, summarize_failure
+from phalanx.control.state.store import BRINGUP_STATES, FAULT_CAUSES, ClusterStatus, Node, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.reconciler")
@@ -78,12 +78,13 @@ class Reconciler:
         h = self.spec.health
         gone = self.backend.gone(node) if node.handle else None
         if gone:
-            return self.fault(node, gone)
+            return self.fault(node, gone, "agent-gone")
         state, report = node.state, node.report or {}
         if state == S.PROVISIONING:
             if node.last_heartbeat is None:
                 if now - node.state_since > h.provision_timeout_s:
-                    self.fault(node, f"agent did not register within provision_timeout_s={h.provision_timeout_s:g}")
+                    self.fault(node, f"agent did not register within provision_timeout_s={h.provision_timeout_s:g}",
+                               "provision-timeout")
                 return
             script = self.spec.group(node.group).on_create
             node = self.store.transition(node.name, S.CONFIGURING, f"agent registered (handle {node.handle}); "
@@ -92,11 +93,12 @@ class Reconciler:
             state = node.state
         silent = now - max(node.last_heartbeat, self.started_at)
         if silent > h.heartbeat_timeout_s:
-            return self.fault(node, f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})")
+            return self.fault(node, f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})",
+                              "heartbeat-timeout")
         lifecycle = report.get("lifecycle")
         if report.get("phase") == "failed":  # the lifecycle script failed, or the agent hit an error
             detail = (lifecycle or {}).get("detail") or "agent reported its bring-up failed"
-            return self.fault(node, f"{detail}; output tail:\n{(lifecycle or {}).get('tail', '')}")
+            return self.fault(node, f"{detail}; output tail:\n{(lifecycle or {}).get('tail', '')}", "bringup-failed")
         if state == S.CONFIGURING and lifecycle and lifecycle["ok"]:
             node = self.store.transition(node.name, S.HEALTH_CHECKING, lifecycle.get("detail") or
                                          f"lifecycle script succeeded in {lifecycle['duration_s']:.2f} s")
@@ -104,16 +106,27 @@ class Reconciler:
         health = node.health
         if state == S.HEALTH_CHECKING and report.get("phase") == "ready" and health:
             if not health["ok"]:
-                return self.fault(node, f"health check failed during bring-up: {summarize_failure(health)}")
+                self._count_failed_checks(health)
+                return self.fault(node, f"health check failed during bring-up: {summarize_failure(health)}",
+                                  "health-check")
             if self.deep is not None and self.deep.enabled:
                 self.deep.ready(node.name)  # healthy only once its deep check passes (judge_deep_checks)
                 return
             self.become_healthy(node, "")
         elif state == S.HEALTHY and health and not health["ok"]:
-            self.fault(node, f"health check failed: {summarize_failure(health)}")
+            self._count_failed_checks(health)
+            self.fault(node, f"health check failed: {summarize_failure(health)}", "health-check")
+
+    def _count_failed_checks(self, health: dict) -> None:
+        """One count per check that failed the node (counted once: the node is faulty from here on)."""
+        for c in health["checks"]:
+            if c["status"] == "fail" and c.get("action") == REPLACE_NODE:
+                self.store.count("health_check_failures", c["name"])
 
     def become_healthy(self, node: Node, extra: str) -> None:
         passed = ", ".join(f"{c['name']} {c['status']}" for c in node.health["checks"])
+        for c in node.health["checks"]:  # every check a node runs is a series of /metrics from 0 on
+            self.store.count("health_check_failures", c["name"], 0)
         self.store.transition(node.name, S.HEALTHY, f"health checks: {passed}{extra}")
         self._reset_failures(node.group)
         log.info("node %s healthy (%s)%s", node.name, "spare" if node.is_spare else "member", extra)
@@ -126,10 +139,14 @@ class Reconciler:
             if passed:
                 self.become_healthy(node, f"; {detail}")
             else:
-                self.fault(node, detail)
+                self.store.count("health_check_failures", "deep-check")
+                self.fault(node, detail, "deep-check")
 
-    def fault(self, node: Node, reason: str) -> None:
-        self.store.transition(node.name, S.FAULTY, reason)
+    def fault(self, node: Node, reason: str, cause: str) -> None:
+        """Mark the node faulty; `cause`: one of store.FAULT_CAUSES (the job scheduler's is a hang)."""
+        assert cause in FAULT_CAUSES, cause
+        self.store.transition(node.name, S.FAULTY, reason, fault_cause=cause)
+        self.store.count("node_faults", cause)
         if node.state in BRINGUP_STATES:
             g = next(g for g in self.store.groups() if g["name"] == node.group)
             self.store.update_group(node.group, provision_failures=g["provision_failures"] + 1)
@@ -190,6 +207,7 @@ class Reconciler:
             elif self.spec.node_recovery == "none":
                 self._say_once(f"none:{node.name}", f"node {node.name} stays faulty: node_recovery=none")
             elif self.spec.group(node.group).spares == 0:
+                self.store.count("node_replacements", node.fault_cause or "unknown")
                 self.start_retiring(node, "replaced by a freshly provisioned node (group has no spares)")
             else:
                 spare = next((n for n in nodes if n.group == node.group and n.is_spare and n.state == S.HEALTHY
@@ -202,6 +220,7 @@ class Reconciler:
                 self.store.record_event(E.PROMOTED, f"spare promoted to member of group {node.group}, "
                                                     f"replacing {node.name}", node=spare.name)
                 nodes = [n for n in nodes if n.name != spare.name]
+                self.store.count("node_replacements", node.fault_cause or "unknown")
                 self.start_retiring(node, f"replaced by spare {spare.name}")
                 log.info("spare %s promoted to member in place of %s", spare.name, node.name)
 
@@ -261,7 +280,7 @@ class Reconciler:
         try:
             handle = self.backend.launch(node)
         except OSError as err:
-            self.fault(node, f"could not start the agent: {err}")
+            self.fault(node, f"could not start the agent: {err}", "agent-start-failed")
             return
         self.store.update_node(node.name, handle=handle)
         log.info("provisioning %s (%s, agent %s): %s", node.name, "spare" if is_spare else "member", handle,

@@ -75,7 +75,7 @@ class JobScheduler(Admission, Assignments):
         self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous, clock)  # checkpointless jobs
 
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
-    def observe(self, now: float, mark_faulty: Callable[[Node, str], None]) -> None:
+    def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:
         with self.lock:
             for job in self.records.jobs((J.RUNNING,)):
                 gen = self.records.generation(job.id, job.generation)
@@ -154,7 +154,7 @@ class JobScheduler(Admission, Assignments):
                 self.store.record_event(E.HANG, f["detail"], node=f["node"], job=job.id)
                 node = self.store.node(f["node"])
                 if node is not None and node.state == S.HEALTHY:
-                    mark_faulty(node, f"worker {f['detail']} (a hang is a node fault)")
+                    mark_faulty(node, f"worker {f['detail']} (a hang is a node fault)", "hang")
         self.records.update_generation(job.id, gen.generation, faults=current + new)
         return current + new
 

@@ -16,7 +16,7 @@ anything else gets 401.
     POST   /v1/jobs/{id}/cancel         cancel: its workers are stopped
     POST   /v1/controller/stop          stop the controller only (nodes keep running)
     DELETE /v1/cluster                  stop every node, then the controller
-    GET    /metrics                     Prometheus text format
+    GET    /metrics                     Prometheus text format (server/metrics.py; docs/observability.md)
 
 Routes only record observations and requests; the reconciler and the job scheduler decide. Knows nothing
 about processes beyond the backend's fault methods.
@@ -32,11 +32,11 @@ from typing import Literal
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from phalanx.control.state.jobs import JobState
 from phalanx.control.server.heartbeat import answer_heartbeat
+from phalanx.control.server.job_runs import JobRuns
+from phalanx.control.server.metrics import ClusterCollector
 from phalanx.protocol import ProtocolMismatch, check_version
 from phalanx.protocol.messages import Heartbeat
 from phalanx.control.policy.admission import JobRequestError
@@ -77,53 +77,8 @@ class JobRequest(BaseModel):
     recovery: Literal["restart", "checkpointless"] = "restart"
 
 
-class _StoreCollector:
-    """Prometheus metrics computed from SQLite at scrape time (nothing to keep in sync)."""
-
-    def __init__(self, store: Store):
-        self.store = store
-
-    def collect(self):
-        nodes = self.store.nodes()
-        by_state = GaugeMetricFamily("phalanx_nodes", "Nodes by group, state and role",
-                                     labels=["group", "state", "role"])
-        counts: dict[tuple, int] = {}
-        for n in nodes:
-            key = (n.group, n.state.value, "spare" if n.is_spare else "member")
-            counts[key] = counts.get(key, 0) + 1
-        for key, v in sorted(counts.items()):
-            by_state.add_metric(list(key), v)
-        yield by_state
-        age = GaugeMetricFamily("phalanx_node_heartbeat_age_seconds", "Seconds since the last heartbeat",
-                                labels=["node"])
-        now = time.time()
-        for n in nodes:
-            if n.live and n.last_heartbeat:
-                age.add_metric([n.name], now - n.last_heartbeat)
-        yield age
-        events = self.store.events()
-        faults = CounterMetricFamily("phalanx_node_faults", "Node transitions to faulty")
-        faults.add_metric([], sum(e["to_state"] == S.FAULTY.value for e in events))
-        yield faults
-        promoted = CounterMetricFamily("phalanx_spares_promoted", "Spares promoted to replace a faulty member")
-        promoted.add_metric([], sum(e["kind"] == "promoted" for e in events))
-        yield promoted
-        jobs = GaugeMetricFamily("phalanx_jobs", "Jobs by state", labels=["state"])
-        rows = self.store.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
-        found = {r["state"]: r["n"] for r in rows}
-        for state in JobState:
-            jobs.add_metric([state.value], found.get(state.value, 0))
-        yield jobs
-        gens = CounterMetricFamily("phalanx_job_restarts", "Job generations ended by a fault, by outcome",
-                                   labels=["outcome"])
-        for outcome in ("node-fault", "app-error"):
-            (row,) = self.store.execute("SELECT COUNT(*) AS n FROM generations WHERE outcome=?", (outcome,))
-            gens.add_metric([outcome], row["n"])
-        yield gens
-
-
 def build_app(ctl) -> FastAPI:
-    """`ctl`: the running controller (store, backend, token, request_exit)."""
+    """`ctl`: the running controller (store, backend, token, request_exit, jobs, runs)."""
     store: Store = ctl.store
     token = ctl.token.encode()
 
@@ -138,7 +93,8 @@ def build_app(ctl) -> FastAPI:
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StoreCollector(store))
+    runs = getattr(ctl, "runs", None) or JobRuns()
+    registry.register(ClusterCollector(store, runs, ctl.jobs.records if ctl.jobs is not None else None))
 
     def node_or_404(name: str):
         node = store.node(name)

@@ -39,6 +39,7 @@ import uvicorn
 
 from phalanx import protocol
 from phalanx.control.server.api import build_app
+from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.backends import make_backend
 from phalanx.control.backends.local import process_running
 from phalanx.control.policy.deep_check import DeepCheckCoordinator
@@ -98,6 +99,7 @@ class Controller:
         self.server: uvicorn.Server | None = None
         self.rendezvous = None  # the TCPStore, once started
         self.jobs: JobScheduler | None = None
+        self.runs = JobRuns()  # what /metrics reads about each job's training (its run files, followed)
         self.deep_checks = DeepCheckCoordinator(self.spec, self.backend)
         self.started_at: float | None = None
         self._exit = threading.Event()

@@ -267,6 +267,14 @@ class JobRecords:
         found = [_job(r) for r in self.store.execute("SELECT * FROM jobs ORDER BY seq")]
         return found if states is None else [j for j in found if j.state in states]
 
+    def recent_jobs(self, keep_ended: int) -> list[Job]:
+        """Every job that has not ended and the newest `keep_ended` that have, in submission order (what
+        /metrics labels: bounded however many jobs the cluster ran)."""
+        rows = self.store.execute("SELECT * FROM jobs WHERE ended_at IS NULL UNION ALL SELECT * FROM "
+                                  "(SELECT * FROM jobs WHERE ended_at IS NOT NULL ORDER BY seq DESC LIMIT ?)",
+                                  (keep_ended,))
+        return sorted((_job(r) for r in rows), key=lambda j: j.seq)
+
     def update_job(self, job_id: str, **values) -> None:
         assert "state" not in values, "use transition() to change a job's state"
         values["updated_at"] = self.store.clock()

@@ -25,7 +25,8 @@ CREATE TABLE IF NOT EXISTS nodes (
     last_heartbeat REAL, handle TEXT,      -- the backend's opaque handle (local: the agent's pid)
     work_dir TEXT NOT NULL, job TEXT,
     created_at REAL NOT NULL, state_since REAL NOT NULL,
-    acked_at REAL       -- `sent_at` of the last heartbeat reply the agent says it acted on
+    acked_at REAL,      -- `sent_at` of the last heartbeat reply the agent says it acted on
+    fault_cause TEXT    -- why it went faulty, one of store.FAULT_CAUSES
 );
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, node TEXT, job TEXT, kind TEXT NOT NULL,
@@ -69,6 +70,9 @@ CREATE TABLE IF NOT EXISTS workers (
     stopped INTEGER NOT NULL DEFAULT 0, step INTEGER,
     started_at REAL, ended_at REAL, PRIMARY KEY (job, generation, rank)
 );
+CREATE TABLE IF NOT EXISTS counters (  -- monotonic counts /metrics reads without scanning the events
+    name TEXT NOT NULL, label TEXT NOT NULL, value INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, label)
+);
 CREATE INDEX IF NOT EXISTS events_node ON events(node);
 CREATE INDEX IF NOT EXISTS events_job ON events(job);
 """
@@ -79,8 +83,16 @@ def migrate(db: sqlite3.Connection) -> None:
 
     - Before node handles (protocol 1) a node's agent was known by `nodes.pid`: it is copied into the opaque
       `handle`, so `cluster delete` still finds the agents of a cluster made by the older version.
+    - Before the Prometheus metrics a state.db had no `counters` table and no `nodes.fault_cause`: both are
+      added empty (the counts of faults before the upgrade are not reconstructed from the events' free text;
+      a counter that starts at the upgrade is what Prometheus expects of a restarted process anyway).
     """
     columns = {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
     if columns and "handle" not in columns:
         db.execute("ALTER TABLE nodes ADD COLUMN handle TEXT")
         db.execute("UPDATE nodes SET handle = CAST(pid AS TEXT) WHERE pid IS NOT NULL")
+    if columns and "fault_cause" not in columns:
+        db.execute("ALTER TABLE nodes ADD COLUMN fault_cause TEXT")
+    if columns:
+        db.execute("CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, label TEXT NOT NULL, "
+                   "value INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, label))")

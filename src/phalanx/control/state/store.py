@@ -55,6 +55,10 @@ ALLOWED: dict[NodeState, set[NodeState]] = {
     S.TERMINATED: set(),
 }
 BRINGUP_STATES = (S.PROVISIONING, S.CONFIGURING, S.HEALTH_CHECKING)
+# Why a node went faulty (`nodes.fault_cause`, set by the reconciler): the bounded label of /metrics' node
+# faults and replacements.
+FAULT_CAUSES = ("agent-gone", "heartbeat-timeout", "provision-timeout", "bringup-failed", "health-check",
+                "deep-check", "hang", "agent-start-failed")
 
 
 class IllegalTransition(RuntimeError):
@@ -87,6 +91,7 @@ class Node:
     created_at: float
     state_since: float
     acked_at: float | None = None  # sent_at of the last heartbeat reply the agent acted on
+    fault_cause: str | None = None  # why it went faulty (one of FAULT_CAUSES)
 
     @property
     def live(self) -> bool:
@@ -105,7 +110,7 @@ def _node(row: sqlite3.Row) -> Node:
         reason=row["reason"], health=_loads(row["health_json"]), report=_loads(row["report_json"]),
         directives=_loads(row["directives_json"]) or [], last_heartbeat=row["last_heartbeat"], handle=row["handle"],
         work_dir=row["work_dir"], job=row["job"], created_at=row["created_at"], state_since=row["state_since"],
-        acked_at=row["acked_at"],
+        acked_at=row["acked_at"], fault_cause=row["fault_cause"],
     )
 
 
@@ -221,6 +226,16 @@ class Store(EventRecords):
             "store": {"addr": f"{host}:{c['store_port']}" if c["store_port"] else None},
             "health": spec.health.model_dump(),
         }
+
+    # ---- counters (what /metrics reads instead of scanning the events) ----------------------------------
+    def count(self, name: str, label: str, by: int = 1) -> None:
+        """Add `by` to the counter `name{label}` (created at 0). Labels must come from a bounded set."""
+        self._exec("INSERT INTO counters (name, label, value) VALUES (?,?,?) "
+                   "ON CONFLICT(name, label) DO UPDATE SET value = value + excluded.value", (name, label, by))
+
+    def counters(self, name: str) -> dict[str, int]:
+        """{label: value} of the counter `name` (one indexed range of the counters table)."""
+        return {r["label"]: r["value"] for r in self._exec("SELECT label, value FROM counters WHERE name=?", (name,))}
 
     # ---- nodes --------------------------------------------------------------------------------
     def add_node(self, group: str, *, is_spare: bool, work_root: Path, reason: str) -> Node:
