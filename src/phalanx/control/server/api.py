@@ -17,6 +17,8 @@ anything else gets 401.
     POST   /v1/controller/stop          stop the controller only (nodes keep running)
     DELETE /v1/cluster                  stop every node, then the controller
     GET    /metrics                     Prometheus text format
+    GET    /dashboard                   the live web dashboard (dashboard.py): the page needs no token, its
+                                        data (/v1/dashboard, /v1/jobs/{id}/dashboard) does
 
 Routes only record observations and requests; the reconciler and the job scheduler decide. Knows nothing
 about processes beyond the backend's fault methods.
@@ -36,7 +38,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from phalanx.control.state.jobs import JobState
+from phalanx.control.server.dashboard import PUBLIC_PATHS, add_dashboard_routes
 from phalanx.control.server.heartbeat import answer_heartbeat
+from phalanx.control.server.job_runs import JobRuns
 from phalanx.protocol import ProtocolMismatch, check_version
 from phalanx.protocol.messages import Heartbeat
 from phalanx.control.policy.admission import JobRequestError
@@ -131,7 +135,10 @@ def build_app(ctl) -> FastAPI:
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
-        """Before routing and validation: without the token, every path (even an unknown one) is a 401."""
+        """Before routing and validation: without the token, every path (even an unknown one) is a 401 — but
+        the dashboard's page and assets (`dashboard.PUBLIC_PATHS`: no data in them, only a sign-in)."""
+        if request.method == "GET" and request.url.path in PUBLIC_PATHS:
+            return await call_next(request)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
             return JSONResponse({"detail": "missing or wrong cluster token (Authorization: Bearer <token>)"},
@@ -252,6 +259,9 @@ def build_app(ctl) -> FastAPI:
         store.set_status(ClusterStatus.DELETING, "cluster delete requested")
         ctl.request_exit("cluster deleted")
         return {"detail": "deleting: stopping every node, then the controller"}
+
+    app.state.job_runs = JobRuns()  # one follower of each job's run files: /metrics and the dashboard
+    add_dashboard_routes(app, store, ctl.jobs.records, app.state.job_runs)
 
     @app.get("/metrics")
     def metrics() -> Response:
