@@ -22,10 +22,12 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
 from fakes import FakeCluster
+from phalanx.cli import app
 from phalanx.control.http import ApiError, request_json
 from phalanx.control.server.dashboard import STATIC, timeline
 from phalanx.observability.events import Event, EventKind as K
@@ -142,6 +144,11 @@ def test_the_timeline_places_each_recovery_phase_where_it_happened():
     assert at == {"fault": (19.5, 0.0), "detect": (19.5, 1.5), "regroup": (21.0, 6.0), "restore": (28.0, 2.0),
                   "first_step": (30.5, 2.5)}
     assert {e["generation"] for e in out["entries"]} == {2} and out["start"] == t0 and out["end"] == t0 + 60
+    # restart mode resumed from a checkpoint (rank 0 said `resumed`, not `started`): the regroup (stop, relaunch,
+    # build) is the controller's word → the start of the load
+    del recoveries[0]["regroup"]
+    at = {e["kind"]: (e["start"] - t0, e["seconds"]) for e in timeline(job, gens, events, steps, recoveries)["entries"]}
+    assert at["regroup"] == (21.0, 7.0)
     # a job that ended without a fault has no recovery; one whose last generation failed has its fault only
     assert timeline(job, gens[1:], events, steps, [])["entries"] == []
     failed = timeline(job, [gen(1, t0 + 1, t0 + 22, "app-error")], events, steps, [])["entries"]
@@ -165,6 +172,8 @@ def chromium():
                     f"as root) or set PHALANX_CHROMIUM / PHALANX_CHROMEDRIVER")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # were Selenium Manager ever consulted, it may not download
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
@@ -199,9 +208,13 @@ def test_the_dashboard_in_chromium_shows_a_killed_node_and_the_jobs_recovery(tmp
     config = tiny_config(tmp_path / "run", demo_data, training={"max_steps": 400, "log_interval": 10},
                          checkpoint={"interval": 3, "keep": 20})
     job = jobs.submit(config, nodes=2, auto_resume=True, name="tiny")["id"]
+    shown = CliRunner().invoke(app, ["cluster", "dashboard", "c1", "--token"])  # where it is, how to sign in
+    url = f"{client.url()}/dashboard"
+    assert shown.exit_code == 0 and shown.output.split()[0] == url and client.token in shown.output, shown.output
+    assert str(client.paths.token) in " ".join(shown.output.split()), shown.output
     driver = chromium()
     try:
-        driver.get(client.url() + "/dashboard")
+        driver.get(url)
         wait_for(lambda: page(driver, SHOWN) == [True, False], 10, "the sign-in, alone")
         assert page(driver, NODES) == [], "no node shown without the token"
         sign_in(driver, "not-the-token")
@@ -223,10 +236,14 @@ def test_the_dashboard_in_chromium_shows_a_killed_node_and_the_jobs_recovery(tmp
                  in ("faulty", "replacing", "terminated"), 15, f"the grid to show {victim} faulty")
         wait_for(lambda: {n[0]: n[1:] for n in page(driver, NODES)}.get("workers-2") == ["healthy", "member"],
                  30, "the spare promoted to member")
-        phases = wait_for(lambda: (kinds := {(k, g) for k, g, _ in page(driver, TIMELINE)}) >= {
-            ("generation", "1"), ("generation", "2"), ("fault", "2"), ("detect", "2"), ("regroup", "2"),
-            ("restore", "2"), ("first_step", "2")} and page(driver, TIMELINE), 75,
-            "the timeline: generation 2 after the fault, detect, regroup, restore and first step")
+        want = {("generation", "1"), ("generation", "2"), ("fault", "2"), ("detect", "2"), ("regroup", "2"),
+                ("restore", "2"), ("first_step", "2")}
+        try:
+            phases = wait_for(lambda: (rows := page(driver, TIMELINE)) and {(k, g) for k, g, _ in rows} >= want and rows, 75,
+                              "the timeline: generation 2 after the fault, detect, regroup, restore and first step")
+        except AssertionError as err:
+            save_screenshot(driver, "dashboard-failed.png")
+            raise AssertionError(f"{err}; shown: {page(driver, TIMELINE)}; job: {jobs.describe(job)['state']}") from None
         secs = {k: s for k, g, s in phases if g == "2"}
         assert 0 < secs["detect"] < 10 and secs["restore"] > 0 and secs["first_step"] > 0, secs
         assert page(driver, "return document.querySelectorAll('#timeline-chart [data-kind=fault]').length") == 1
@@ -248,14 +265,14 @@ def sign_in(driver, token: str) -> None:
     driver.find_element(By.ID, "sign-in").click()
 
 
-def save_screenshot(driver) -> Path:
-    """The whole page (the window stretched to its height), as test-artifacts/dashboard.png."""
+def save_screenshot(driver, name: str = "dashboard.png") -> Path:
+    """The whole page (the window stretched to its height), as test-artifacts/<name>."""
     root = Path(os.environ.get("PHALANX_TEST_ARTIFACTS") or REPO / "test-artifacts")
     root.mkdir(parents=True, exist_ok=True)
-    height = page(driver, "return document.documentElement.scrollHeight")
-    driver.set_window_size(1400, min(max(height, 800), 4000) + 20)
+    height, chrome = page(driver, "return [document.documentElement.scrollHeight, outerHeight - innerHeight]")
+    driver.set_window_size(1400, min(max(height, 800), 4000) + chrome + 4)
     time.sleep(1.2)  # one redraw at the new size
-    path = root / "dashboard.png"
+    path = root / name
     path.unlink(missing_ok=True)
     driver.save_screenshot(str(path))
     return path

@@ -88,7 +88,7 @@ def node_view(n: Node, now: float) -> dict:
     failed = [c.get("name") for c in (n.health or {}).get("checks", []) if c.get("status") == "fail"]
     return {
         "name": n.name, "group": n.group, "state": n.state.value, "role": "spare" if n.is_spare else "member",
-        "health": None if not n.health else ("fail: " + ", ".join(map(str, failed)) if failed else "ok"),
+        "health": None if not n.health or not n.live else ("fail: " + ", ".join(map(str, failed)) if failed else "ok"),
         "heartbeat_age_s": None if n.last_heartbeat is None else max(0.0, now - n.last_heartbeat),
         "job": n.job, "reason": n.reason, "since": n.state_since, "live": n.live,
     }
@@ -144,6 +144,11 @@ def timeline(job: Job, gens: list[Generation], events: list[Event], steps: list[
             continue
         later = gens[i + 2].started_at if i + 2 < len(gens) else float("inf")
         rank0 = [e for e in events if e.source.startswith("rank:") and nxt.started_at <= e.time < later]
+        loaded = next((e for e in rank0 if e.kind in (K.STATE_RESTORED, K.RESUMED)), None)
+        if "regroup" not in phases and loaded is not None and loaded.kind == K.RESUMED and "restore" in phases:
+            # restart mode resumed from a checkpoint: rank 0 says `resumed`, not `started`; the relaunch and
+            # build end where its checkpoint load began
+            phases = {**phases, "regroup": max(0.0, loaded.time - phases["restore"] - knew)}
         cursor = knew
         if "regroup" in phases:
             start = fault_at if job.recovery == "checkpointless" else knew
@@ -152,7 +157,6 @@ def timeline(job: Job, gens: list[Generation], events: list[Event], steps: list[
                             else "stop, relaunch, build"})
             cursor = start + phases["regroup"]
         if "restore" in phases:
-            loaded = next((e for e in rank0 if e.kind in (K.STATE_RESTORED, K.RESUMED)), None)
             start = loaded.time - phases["restore"] if loaded else cursor
             source = (loaded.fields.get("source") if loaded and loaded.kind == K.STATE_RESTORED else "checkpoint")
             entries.append({**rec, "kind": "restore", "start": start, "seconds": phases["restore"],

@@ -13,6 +13,7 @@ const CATEGORY_COLORS = {
 };
 const PHASE_COLORS = { fault: "#c0392b", detect: "#e0533d", regroup: "#f0a33a", restore: "#9b7fd1",
   first_step: "#2e9d5b" };
+const MAX_WATERFALLS = 3;  // the newest recoveries drawn zoomed
 const OUTCOME_COLORS = { null: "#6c8ebf", succeeded: "#2e9d5b", cancelled: "#9aa0a6" };
 
 let selectedJob = null;
@@ -132,6 +133,7 @@ function drawOverview(o) {
       row.append(el("span", {}, k), el("span", { "data-field": k }, v));
       tile.append(row);
     }
+    if (n.state !== "healthy" && n.reason) tile.append(el("div", { class: "node-reason" }, n.reason));
     grid.append(tile);
   }
   const body = $("jobs").querySelector("tbody");
@@ -197,7 +199,7 @@ function lineChart(svg, xs, ys, color, digits) {
 function drawGoodput(g) {
   const svg = $("goodput-bar"), legend = $("goodput-legend");
   svg.replaceChildren(); legend.replaceChildren();
-  const W = 940, H = 26;
+  const W = Math.max(svg.clientWidth || 940, 600), H = 26;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   if (!g || g.wall_s <= 0) { $("goodput-ratio").textContent = "(no run files yet)"; return; }
   $("goodput-ratio").textContent = `${(g.goodput * 100).toFixed(1)} % productive of ${secs(g.wall_s)}`;
@@ -221,9 +223,11 @@ function drawGoodput(g) {
 function drawTimeline(t) {
   const svg = $("timeline-chart");
   svg.replaceChildren();
-  const W = 940, L = 96, R = 10, rowH = 22;
+  const W = Math.max(svg.clientWidth || 940, 600), L = 96, R = 10, rowH = 22;  // drawn at its size: text unscaled
   const gens = t.generations, entries = t.entries;
-  const H = 30 + rowH * 2 + 18;
+  const recoveries = groupRecoveries(entries).slice(-MAX_WATERFALLS);
+  const top = 10 + rowH * 2 + 24;
+  const H = top + recoveries.reduce((h, r) => h + 26 + r.phases.length * 18, 0) + 6;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const t0 = t.start, t1 = Math.max(t.end, t0 + 1);
   const sx = (v) => L + ((Math.min(Math.max(v, t0), t1) - t0) / (t1 - t0)) * (W - L - R);
@@ -253,9 +257,52 @@ function drawTimeline(t) {
   }
   for (const frac of [0, 0.25, 0.5, 0.75, 1]) {
     const v = t0 + (t1 - t0) * frac;
-    svg.append(svgEl("text", { x: sx(v), y: H - 4, "text-anchor": frac === 0 ? "start" : frac === 1 ? "end" : "middle",
+    svg.append(svgEl("text", { x: sx(v), y: top - 4, "text-anchor": frac === 0 ? "start" : frac === 1 ? "end" : "middle",
       class: "tick" }, `+${secs(v - t0)}`));
   }
+  let y = top;
+  for (const r of recoveries) y = drawWaterfall(svg, r, y, W, L, t0);
+  drawTimelineTable(t, gens, entries);
+}
+
+// each recovery's phases, zoomed: from the fault to the end of the first step, one bar per phase
+function groupRecoveries(entries) {
+  const byGen = new Map();
+  for (const e of entries) {
+    const key = `${e.after}`;
+    if (!byGen.has(key)) byGen.set(key, { after: e.after, generation: e.generation, fault: null, phases: [] });
+    const r = byGen.get(key);
+    if (e.kind === "fault") r.fault = e; else r.phases.push(e);
+  }
+  return [...byGen.values()].filter((r) => r.fault);
+}
+
+function drawWaterfall(svg, r, y, W, L, t0) {
+  const a = r.fault.start;
+  const b = Math.max(a + 0.5, ...r.phases.map((p) => p.start + p.seconds));
+  const scale = (v) => L + ((v - a) / (b - a)) * (W - L - 320);  // room on the right for the labels
+  const total = b - a;
+  svg.append(svgEl("line", { x1: 4, x2: W - 4, y1: y + 4, y2: y + 4, class: "grid" }));
+  svg.append(svgEl("text", { x: 4, y: y + 18, class: "waterfall-title", "data-recovery": r.generation ?? "" },
+    `recovery ${r.generation ? `→ generation ${r.generation}` : `after generation ${r.after}`}: ` +
+    `fault at +${secs(a - t0)}, ${secs(total)} to the end of the first step`));
+  svg.append(svgEl("line", { x1: scale(a), x2: scale(a), y1: y + 22, y2: y + 24 + r.phases.length * 18,
+    stroke: PHASE_COLORS.fault, "stroke-width": 2 }));
+  y += 26;
+  for (const p of r.phases) {
+    svg.append(svgEl("text", { x: L - 8, y: y + 11, "text-anchor": "end", class: "row-label" }, p.kind.replace("_", " ")));
+    const x = scale(p.start), w = Math.max(scale(p.start + p.seconds) - x, 2);
+    const bar = svgEl("rect", { x, y: y + 2, width: w, height: 12, rx: 2, fill: PHASE_COLORS[p.kind] || "#888",
+      "data-kind": p.kind, "data-seconds": p.seconds.toFixed(3) });
+    bar.append(svgEl("title", {}, `${p.kind}: ${secs(p.seconds)} ${p.detail || ""}`));
+    svg.append(bar);
+    svg.append(svgEl("text", { x: x + w + 6, y: y + 12, class: "phase-label" }, `${secs(p.seconds)}  ${p.detail || ""}`));
+    y += 18;
+  }
+  return y;
+}
+
+function drawTimelineTable(t, gens, entries) {
   const body = $("timeline").querySelector("tbody");
   body.replaceChildren();
   const rows = gens.map((g) => ({ start: g.start, generation: g.generation, kind: "generation",
