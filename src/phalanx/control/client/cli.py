@@ -143,6 +143,8 @@ def _print_describe(info: dict) -> None:
               f"backend {info['backend']}  node_recovery {info['node_recovery']}")
     out.print(f"controller: pid {c['pid']} {'running' if running else '[red]not running[/]'}  api {c['api']}  "
               f"rendezvous store {info['store']['addr']}")
+    if running and c["api"]:
+        out.print(f"dashboard: {c['api']}/dashboard (sign in with the cluster token: `phalanx cluster dashboard`)")
     if not running and info["status"] not in FINAL_CLUSTER_STATUSES:
         out.print(f"[red]{_down_since(c.get('down_since'))}[/]: groups below as last recorded; "
                   f"`phalanx cluster start {info['name']}` restarts it")
@@ -151,6 +153,19 @@ def _print_describe(info: dict) -> None:
         t.add_row(g["name"], g["instance_type"], f"{g['members_healthy']}/{g['count']}",
                   f"{g['spares_ready']}/{g['spares']}", g["on_create"] or "-")
     out.print(t)
+
+
+@cluster_app.command("dashboard")
+def dashboard(name: Optional[str] = NameArg,
+              show_token: bool = typer.Option(False, "--token", help="also print the token to paste into its sign-in")
+              ) -> None:
+    """The live web dashboard's address (the controller serves it) and where its sign-in token is."""
+    from phalanx.control.client.cluster import ClusterClient
+
+    client = _guard(lambda: ClusterClient(name))
+    out.print(f"{_guard(client.url)}/dashboard", soft_wrap=True)
+    out.print(f"sign in with the cluster token, in {client.paths.token} (readable by you only)"
+              + (f":\n{client.token}" if show_token else "; `--token` prints it"), soft_wrap=True)
 
 
 @cluster_app.command("list-nodes")

@@ -17,6 +17,8 @@ anything else gets 401.
     POST   /v1/controller/stop          stop the controller only (nodes keep running)
     DELETE /v1/cluster                  stop every node, then the controller
     GET    /metrics                     Prometheus text format (server/metrics.py; docs/observability.md)
+    GET    /dashboard                   the live web dashboard (dashboard.py): the page needs no token, its
+                                        data (/v1/dashboard, /v1/jobs/{id}/dashboard) does
 
 Routes only record observations and requests; the reconciler and the job scheduler decide. Knows nothing
 about processes beyond the backend's fault methods.
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from phalanx.control.server.dashboard import PUBLIC_PATHS, add_dashboard_routes
 from phalanx.control.server.heartbeat import answer_heartbeat
 from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.server.metrics import ClusterCollector
@@ -86,14 +89,18 @@ def build_app(ctl) -> FastAPI:
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
-        """Before routing and validation: without the token, every path (even an unknown one) is a 401."""
+        """Before routing and validation: without the token, every path (even an unknown one) is a 401 — but
+        the dashboard's page and assets (`dashboard.PUBLIC_PATHS`: no data in them, only a sign-in)."""
+        if request.method == "GET" and request.url.path in PUBLIC_PATHS:
+            return await call_next(request)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
             return JSONResponse({"detail": "missing or wrong cluster token (Authorization: Bearer <token>)"},
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
+
     registry = CollectorRegistry(auto_describe=False)
-    runs = getattr(ctl, "runs", None) or JobRuns()
+    runs = getattr(ctl, "runs", None) or JobRuns()  # one follower of each job's run files: /metrics and the dashboard
     registry.register(ClusterCollector(store, runs, ctl.jobs.records if ctl.jobs is not None else None))
 
     def node_or_404(name: str):
@@ -208,6 +215,8 @@ def build_app(ctl) -> FastAPI:
         store.set_status(ClusterStatus.DELETING, "cluster delete requested")
         ctl.request_exit("cluster deleted")
         return {"detail": "deleting: stopping every node, then the controller"}
+
+    add_dashboard_routes(app, store, ctl.jobs.records, runs)
 
     @app.get("/metrics")
     def metrics() -> Response:
