@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     nodes_json TEXT NOT NULL DEFAULT '[]',    -- nodes of the current generation, in rank order
     auto_resume INTEGER NOT NULL, max_retries INTEGER NOT NULL,
     recovery TEXT NOT NULL DEFAULT 'restart',  -- restart | checkpointless
+    straggler_json TEXT,                      -- {"factor", "steps", "policy"} (NULL: the defaults)
     attempts INTEGER NOT NULL DEFAULT 0,      -- generations started
     retries INTEGER NOT NULL DEFAULT 0,       -- restarts after application errors
     node_faults INTEGER NOT NULL DEFAULT 0,   -- generations ended by a node fault
@@ -79,8 +80,12 @@ def migrate(db: sqlite3.Connection) -> None:
 
     - Before node handles (protocol 1) a node's agent was known by `nodes.pid`: it is copied into the opaque
       `handle`, so `cluster delete` still finds the agents of a cluster made by the older version.
+    - Before straggler settings a job had none: `jobs.straggler_json` is added, NULL (the defaults).
     """
     columns = {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
     if columns and "handle" not in columns:
         db.execute("ALTER TABLE nodes ADD COLUMN handle TEXT")
         db.execute("UPDATE nodes SET handle = CAST(pid AS TEXT) WHERE pid IS NOT NULL")
+    job_columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+    if job_columns and "straggler_json" not in job_columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN straggler_json TEXT")
