@@ -69,12 +69,16 @@ def run_restart(config: TrainConfig, device: torch.device, backend: str) -> int:
     Returns the exit code: 2 for a config or data that cannot run (said in one `error:` line by rank 0)."""
     from phalanx.data import DataError
     from phalanx.parallel import ParallelConfigError
+    from phalanx.resilience.drill import Drill, spec_from_env
     from phalanx.train.trainer import Trainer
 
     init_process_group(backend, timedelta(seconds=config.pg_timeout_s))
     try:
         trainer = Trainer(config, device)
         reporter = report_progress(trainer)
+        drill = spec_from_env(os.environ)  # restart mode installs only the straggler drill (`PHALANX_DRILL`); the
+        if drill is not None and drill.action == "straggle":  # chaos soak's kill/slow drills are checkpointless-only
+            Drill(drill, dist.get_rank(), int(os.environ.get(protocol.GENERATION, "1"))).install(trainer)
         trainer.fit()
         if reporter is not None:  # the controller learns the last step before this process exits (also when
             reporter.report(trainer.progress.step)  # it resumed at the last step and trained none)
@@ -114,7 +118,8 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 
 class ReportProgress(Callback):
     """Publish the step before each step (before the first: where this run starts, after a resume) and each
-    finished step (`ProgressReporter.report`: the store write happens on a background thread)."""
+    finished step with its compute seconds (`ProgressReporter.report`: the store write happens on a background
+    thread)."""
 
     def __init__(self, reporter):
         self.reporter = reporter
@@ -123,7 +128,7 @@ class ReportProgress(Callback):
         self.reporter.report(step)
 
     def on_step_end(self, trainer, record: dict) -> None:
-        self.reporter.report(record["step"])
+        self.reporter.report(record["step"], record.get("compute_time_s"))
 
 
 def report_progress(trainer):

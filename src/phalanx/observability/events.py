@@ -41,6 +41,7 @@ class EventKind(str, Enum):
     WORKER_EXIT = "worker-exit"  # a worker exited (and how)
     HANG = "hang"  # an agent killed a hung worker (the agent's own event, and the controller's record of it)
     RECOVERY = "recovery"  # what the controller does about a fault
+    STRAGGLER = "straggler"  # a rank computes its steps k × slower than its peers' median, m reports in a row
     # a run (training runtime; checkpointless recovery also to the controller)
     STARTED = "started"  # a run (or a generation of it) started: world size, layout, where it starts from
     CHECKPOINT_STARTED = "checkpoint_started"

@@ -27,6 +27,9 @@ one's keys:
     {job}/gen{g}/alive/{rank}      a counter the worker bumps every BEAT_S from a background thread: it
                                    keeps going while the main thread waits in a collective (those release
                                    the GIL) and stops when the process is frozen (SIGSTOP, a stalled host)
+    {job}/gen{g}/steptime/{rank}   "<step> <seconds>": the compute seconds of the rank's newest step (its own
+                                   CPU time on a CPU device, not the time it waited on its peers): what the
+                                   controller's straggler rule compares (`control/policy/stragglers.py`)
 
 The controller reads both and relays them to the agents' hang detectors, which tell a frozen worker (no
 progress, no beat: the culprit) from one waiting on it (no progress, beat going); `job describe` shows the
@@ -77,7 +80,8 @@ from phalanx.protocol.env import (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     GENERATION, STORE_ADDR, CHECKPOINT_DIR, CLUSTER_TOKEN, CONFIG, NODE, STANDBY_ID, RECOVERY, CHECKPOINTLESS,
     TRAIN_WORKER_MODULE, NODE_HANDLE, ACTIVATED_AT, EXIT_STUCK, rank_of, WorkerPlacement, worker_env, parse_store_addr)
 from phalanx.protocol.keys import (generation_prefix, progress_key, alive_key, generation_key, layout_key,
-    pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, publish_generation, read_progress)
+    pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, publish_generation, read_progress,
+    step_time_key, read_step_times)
 from phalanx.protocol.store import (store_namespace, namespaced, serve_store, connect_store, env_rendezvous_store,
     standby_assignment, open_standby_assignment)
 from phalanx.protocol.progress import (BEAT_S, EXIT_FLUSH_S, ProgressReporter, progress_reporter)

@@ -1,9 +1,9 @@
 """The store keys of the seam (all under the cluster's namespace, see `phalanx.protocol.store`): a worker's
-progress and liveness beat, a checkpointless generation's layout, arrivals, departures and recovery summary,
-and a warm standby's assignment. The package docstring lists them with their meaning.
+progress, liveness beat and compute seconds per step, a checkpointless generation's layout, arrivals,
+departures and recovery summary, and a warm standby's assignment. The package docstring lists them with their meaning.
 
-Must not know: who serves the store or how it is secured (`store.py`); imports torch only inside
-`read_progress`, which needs a live store.
+Must not know: who serves the store or how it is secured (`store.py`); imports no torch (the readers take a
+live store).
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ def generation_prefix(job_id: str, generation: int) -> str:
 def progress_key(job_id: str, generation: int, rank: int) -> str:
     """Store key holding the last step `rank` finished in this generation (an ASCII integer)."""
     return f"{generation_prefix(job_id, generation)}/progress/{rank}"
+
+
+def step_time_key(job_id: str, generation: int, rank: int) -> str:
+    """Store key holding `"<step> <seconds>"`: the compute seconds `rank` spent on that step (the straggler rule
+    reads it). A sibling of `progress_key`, so a reader of the step alone is unchanged."""
+    return f"{generation_prefix(job_id, generation)}/steptime/{rank}"
 
 
 def alive_key(job_id: str, generation: int, rank: int) -> str:
@@ -80,4 +86,16 @@ def read_progress(store, job_id: str, generation: int, ranks: list[int]) -> dict
         keys = {"step": progress_key(job_id, generation, rank), "beat": alive_key(job_id, generation, rank)}
         # get() would block on a missing key: check first
         out[rank] = {name: int(store.get(key)) if store.check([key]) else None for name, key in keys.items()}
+    return out
+
+
+def read_step_times(store, job_id: str, generation: int, ranks: list[int]) -> dict[int, tuple[int, float]]:
+    """Controller side: rank → (step, compute seconds of that step), for the ranks that reported one."""
+    out: dict[int, tuple[int, float]] = {}
+    for rank in ranks:
+        key = step_time_key(job_id, generation, rank)
+        if store.check([key]):  # get() would block on a missing key
+            raw = store.get(key)
+            step, seconds = (raw.decode() if isinstance(raw, bytes) else str(raw)).split()
+            out[rank] = (int(step), float(seconds))
     return out

@@ -1,7 +1,7 @@
-"""Worker side of progress reporting: `ProgressReporter` publishes the last finished step and a liveness beat
-from a background thread (a training step never waits on the store), survives a store outage (a controller
-restart recreates the store empty on the same port) by reconnecting and re-publishing, and moves to a new
-generation's keys when a checkpointless worker regroups (`switch`).
+"""Worker side of progress reporting: `ProgressReporter` publishes the last finished step, its compute seconds
+(`step_time_key`) and a liveness beat from a background thread (a training step never waits on the store),
+survives a store outage (a controller restart recreates the store empty on the same port) by reconnecting and
+re-publishing, and moves to a new generation's keys when a checkpointless worker regroups (`switch`).
 
 Must not know: how the controller judges hangs (the agent's hang rule reads what this publishes).
 """
@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Mapping
 
 from phalanx.protocol.env import CLUSTER_TOKEN, GENERATION, JOB_ID, RANK, STORE_ADDR, parse_store_addr
-from phalanx.protocol.keys import alive_key, progress_key
+from phalanx.protocol.keys import alive_key, progress_key, step_time_key
 from phalanx.protocol.store import connect_store
 from phalanx.protocol.version import PROTOCOL_ENV, check_version
 
@@ -40,11 +40,13 @@ class ProgressReporter:
         self.job_id = job_id
         self.step_key = progress_key(job_id, generation, rank)
         self.beat_key = alive_key(job_id, generation, rank)
+        self.time_key = step_time_key(job_id, generation, rank)
         self._keys_version = 0
         self.beat_s = beat_s
         self.retry_s = retry_s
         self.timeout = timedelta(seconds=timeout_s)
         self._step: int | None = None
+        self._seconds: float | None = None  # the compute seconds of `_step` (None: not reported)
         self._published: int | None = None  # the newest step the store has (for `flush`)
         self._published_version = 0  # the keys `_published` went to (for `switch`)
         self._closed = False
@@ -71,15 +73,19 @@ class ProgressReporter:
         with self._cond:
             self.step_key = progress_key(self.job_id, generation, rank)
             self.beat_key = alive_key(self.job_id, generation, rank)
+            self.time_key = step_time_key(self.job_id, generation, rank)
+            self._seconds = None  # a time measured in the old generation is not one of the new
             self._keys_version += 1
             version = self._keys_version
             self._cond.notify()
             return self._cond.wait_for(lambda: self._published_version == version or self._closed, timeout=wait_s)
 
-    def report(self, step: int) -> None:
+    def report(self, step: int, seconds: float | None = None) -> None:
+        """`step` finished; `seconds`: the compute seconds it took on this rank (None: not measured, as for the
+        step a run starts from)."""
         with self._cond:
             if step != self._step:
-                self._step = step
+                self._step, self._seconds = step, seconds
                 self._cond.notify()
 
     def _connect(self):
@@ -95,7 +101,8 @@ class ProgressReporter:
                     return
                 if self._keys_version != version:  # new keys: publish everything there at once
                     version, published, next_beat = self._keys_version, None, 0.0
-                step, step_key, beat_key = self._step, self.step_key, self.beat_key
+                step, seconds, step_key, beat_key, time_key = (self._step, self._seconds, self.step_key, self.beat_key,
+                                                               self.time_key)
             try:
                 if store is None:
                     store = self._connect()
@@ -104,6 +111,8 @@ class ProgressReporter:
                     store.set(beat_key, str(beat))
                     next_beat = time.monotonic() + self.beat_s
                 if step != published and step is not None:
+                    if seconds is not None:  # before the step: a reader of the step finds its time there too
+                        store.set(time_key, f"{step} {seconds:.6f}")
                     store.set(step_key, str(step))
                 store.check([beat_key])  # a set() into a dead connection may not fail; this round trip does
             except (RuntimeError, OSError) as err:  # torch's DistStoreError/DistNetworkError are RuntimeErrors

@@ -7,10 +7,14 @@ The drill is armed from `resilience.drill` in the training config and fires at m
 that started in the job's first generation (a replacement redoing the same step does not die again).
 
 It can also be armed from the `PHALANX_DRILL` environment variable (JSON: `rank`, `step`, `at`, and
-`action`: `kill` (the default) or `slow` with `seconds`), which a job's env reaches on every rank. `slow` kills
-nothing: the rank announces itself in its log (`=== phalanx drill: slow ... ===`) and sleeps there — a rank
-that is slow but alive, or a hold that lets `phalanx chaos` land an outside fault (a node killed, a health
-check failed, the controller restarted) exactly inside that moment.
+`action`: `kill` (the default), `slow` or `straggle` with `seconds`), which a job's env reaches on every rank
+(restart-mode workers install only `straggle`). `slow` kills nothing: the rank announces itself in its log
+(`=== phalanx drill: slow ... ===`) and sleeps there — a rank that is slow but alive, or a hold that lets
+`phalanx chaos` land an outside fault (a node killed, a health check failed, the controller restarted)
+exactly inside that moment. `straggle` makes the rank a straggler: from step `step` on, every step computes
+`seconds` more (CPU busy work at the step's first `at` moment, as a slower device would: it shows in the
+rank's compute time while its peers only wait on it), until the process ends (a replacement of the first
+generation's process is not slow: the node was).
 
 Knows the trainer only as "has `model.model.layers`, `optimizer`, `progress` and `callbacks`"; nothing about
 recovery, generations or the controller. Imports no training code (the CLI's chaos commands import it).
@@ -30,7 +34,7 @@ from typing import Mapping
 log = logging.getLogger("phalanx.drill")
 ENV_VAR = "PHALANX_DRILL"
 MOMENTS = ("forward", "backward", "optimizer", "checkpoint", "regroup", "network")
-ACTIONS = ("kill", "slow")
+ACTIONS = ("kill", "slow", "straggle")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,13 @@ def _slow(what: str, seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _burn(seconds: float) -> None:
+    """Busy CPU work for `seconds` of this process's CPU time (a sleep would not count as compute)."""
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        sum(range(1000))
+
+
 def _fail_collective(what: str) -> None:
     import torch.distributed as dist
 
@@ -101,6 +112,7 @@ class Drill:
         self.action = getattr(spec, "action", "kill")
         self.seconds = getattr(spec, "seconds", 0.0)
         self.armed = spec is not None and generation == 1 and rank == spec.rank
+        self._straggled: int | None = None  # the step the straggle drill last slowed
 
     def install(self, trainer) -> None:
         """Hook the step moments into this generation's trainer (a fresh one per generation): torch's own hooks
@@ -114,6 +126,15 @@ class Drill:
             return trainer.progress.step + (0 if at == "checkpoint" else 1) == step
 
         def fire(*_args, **_kwargs):
+            if self.armed and self.action == "straggle":  # once in every step from `step` on, never disarmed
+                current = trainer.progress.step + 1
+                if current >= step and current != self._straggled:  # (a step's later micro-batches: done)
+                    if self._straggled is None:
+                        print(f"=== phalanx drill: straggler: {self.seconds:g} s more compute in every step from "
+                              f"step {step} on ===", file=sys.stderr, flush=True)
+                    self._straggled = current
+                    _burn(self.seconds)
+                return
             if self.armed and now():
                 self.armed = False
                 if self.action == "slow":  # the hook returns None: the inputs and gradients stay as they are

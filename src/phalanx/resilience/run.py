@@ -216,7 +216,7 @@ class CheckpointlessRun:
                 raise Superseded(generation, self.membership.latest())
             record = trainer.advance()
             if self.reporter is not None:
-                self.reporter.report(record["step"])
+                self.reporter.report(record["step"], record.get("compute_time_s"))
             if self.snapshots is not None:
                 self.snapshots.after_step()
         if self.snapshots is not None:

@@ -216,7 +216,7 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg = self.config
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         micro_batches = self.sampler.local_micro_batches(
             self.progress.samples_consumed, cfg.training.micro_batch_size
         )
@@ -250,6 +250,10 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        # This rank's own compute: on a CPU device its CPU seconds, which leave out the time it waited on slower
+        # peers in a collective (the wall time above is the same on every rank of a synchronous step). A GPU's
+        # kernels are not CPU time: there it is the wall time (the straggler rule then sees no difference).
+        compute_time = time.process_time() - cpu_start if self.device.type == "cpu" else step_time
 
         tokens_per_step = cfg.training.global_batch_size * self.dataset.meta.block_size
         record = {
@@ -259,6 +263,7 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time,
             "step_time_s": step_time,
+            "compute_time_s": compute_time,
             "samples_consumed": self.progress.samples_consumed,
         }
         if routed is not None:  # MoE: how the global batch was routed

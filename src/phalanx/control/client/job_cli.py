@@ -83,6 +83,13 @@ def submit(
                                            "newest checkpoint) or checkpointless (survivors keep running, the "
                                            "replacement restores from peers' memory; implies --auto-resume); "
                                            "default: the config's resilience.recovery"),
+    straggler_factor: Optional[float] = typer.Option(None, "--straggler-factor", help="a rank whose compute per "
+                                                     "step is above this × its peers' median is slow (default 2)"),
+    straggler_steps: Optional[int] = typer.Option(None, "--straggler-steps", min=1, help="slow reports in a row "
+                                                  "that make a rank a straggler (default 5)"),
+    straggler_policy: Optional[str] = typer.Option(None, "--straggler-policy", help="report (an event) or "
+                                                   "replace-node (its node replaced as a faulty one); default "
+                                                   "report"),
     name: Optional[str] = typer.Option(None, "--name", help="job name (default: the run dir or the command)"),
     group: Optional[str] = typer.Option(None, "--group", help="instance group (needed with several)"),
     cluster: Optional[str] = ClusterOpt,
@@ -92,17 +99,18 @@ def submit(
     if not args:
         _fail("give a training config (CONFIG.yaml [key=value ...]) or a command after `--`", 2)
     client = _client(cluster)
+    common = dict(nodes=nodes, auto_resume=auto_resume, max_retries=max_retries, name=name, group=group,
+                  recovery=recovery, straggler_factor=straggler_factor, straggler_steps=straggler_steps,
+                  straggler_policy=straggler_policy)
     if args[0].endswith(CONFIG_SUFFIXES):
         config, overrides = args[0], args[1:]
         stray = [a for a in overrides if "=" not in a]
         if stray:
             _fail(f"unexpected argument {stray[0]!r}: after the config only key=value overrides are allowed "
                   f"(a command goes after `--`)", 2)
-        job = _job_guard(lambda: client.submit(config, overrides=overrides, nodes=nodes, auto_resume=auto_resume,
-                                               max_retries=max_retries, name=name, group=group, recovery=recovery))
+        job = _job_guard(lambda: client.submit(config, overrides=overrides, **common))
     else:
-        job = _job_guard(lambda: client.submit(command=args, nodes=nodes, auto_resume=auto_resume,
-                                               max_retries=max_retries, name=name, group=group, recovery=recovery))
+        job = _job_guard(lambda: client.submit(command=args, **common))
     for line in job.get("warnings", []):
         err.print(f"[yellow]warning:[/] {line}")
     out.print(f"submitted job {job['id']} ({job['name']}): {job['nodes_requested']} nodes × "

@@ -78,14 +78,19 @@ class JobClient:
     def submit(self, config=None, *, command: Sequence[str] | None = None, nodes: int,
                overrides: Sequence[str] = (), name: str | None = None, group: str | None = None,
                auto_resume: bool = False, max_retries: int = 0, env: dict[str, str] | None = None,
-               cwd: Path | str | None = None, recovery: str | None = None) -> dict:
+               cwd: Path | str | None = None, recovery: str | None = None, straggler_factor: float | None = None,
+               straggler_steps: int | None = None, straggler_policy: str | None = None) -> dict:
         """Submit a training config (path or TrainConfig) or a command. Returns the job (state pending),
         with `warnings`. Raises JobError, ClusterError, or the runtime's ConfigError / DataError /
         ParallelConfigError when the config fails preflight — in every case nothing was started.
 
-        `recovery`: restart | checkpointless; default: the training config's `resilience.recovery`."""
+        `recovery`: restart | checkpointless; default: the training config's `resilience.recovery`.
+        `straggler_*`: a rank slower than factor × its peers' median for `steps` reports in a row is a straggler;
+        policy report | replace-node (docs/observability.md); default: the controller's (2, 5, report)."""
         if recovery not in (None, "restart", "checkpointless"):
             raise JobError(f"--recovery {recovery!r}: choose restart or checkpointless")
+        if straggler_policy not in (None, "report", "replace-node"):
+            raise JobError(f"--straggler-policy {straggler_policy!r}: choose report or replace-node")
         if (config is None) == (command is None):
             raise JobError("give either a training config or a command (`-- CMD ...`), not both or neither")
         if name is not None and not NAME.match(name):
@@ -104,6 +109,8 @@ class JobClient:
         slots = INSTANCE_TYPES[g["instance_type"]].worker_slots
         body = {"nodes": nodes, "name": name, "group": g["name"], "cwd": str(cwd), "env": env or {},
                 "auto_resume": auto_resume, "max_retries": max_retries}
+        body.update({k: v for k, v in (("straggler_factor", straggler_factor), ("straggler_steps", straggler_steps),
+                                       ("straggler_policy", straggler_policy)) if v is not None})
         warnings = []
         if config is not None:
             from phalanx.train.config import TrainConfig, dump_config, load_config

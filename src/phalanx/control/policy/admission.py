@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from phalanx import protocol
+from phalanx.control.policy.stragglers import StragglerSettings
 from phalanx.control.state.jobs import ACTIVE, FINAL, Job, JobState
 from phalanx.control.state.store import ClusterStatus, NodeState
 
@@ -32,7 +33,8 @@ class Admission:
     def submit(self, *, kind: str, nodes: int, name: str | None = None, group: str | None = None,
                argv: list[str] | None = None, config: dict | None = None, checkpoint_dir: str | None = None,
                cwd: str, env: dict | None = None, auto_resume: bool = False, max_retries: int = 0,
-               recovery: str = "restart") -> Job:
+               recovery: str = "restart", straggler_factor: float = 2.0, straggler_steps: int = 5,
+               straggler_policy: str = "report") -> Job:
         status = self.store.cluster()["status"]
         if status not in (ClusterStatus.IN_SERVICE.value, ClusterStatus.DEGRADED.value):
             raise JobRequestError(409, f"cluster {self.spec.name} is {status}; jobs run on a cluster in service")
@@ -47,6 +49,10 @@ class Admission:
             argv = [sys.executable, "-m", protocol.TRAIN_WORKER_MODULE]
         elif not argv:
             raise JobRequestError(422, "a command job needs a command (`phalanx job submit --nodes N -- CMD ...`)")
+        try:
+            straggler = StragglerSettings(straggler_factor, straggler_steps, straggler_policy)
+        except ValueError as err:
+            raise JobRequestError(422, str(err)) from None
         if recovery == protocol.CHECKPOINTLESS:
             if kind != "train":
                 raise JobRequestError(422, "--recovery checkpointless needs a training config: a command's state "
@@ -56,7 +62,8 @@ class Admission:
             job = self.records.add_job(name=name, kind=kind, group=g.name, nodes=nodes,
                                        workers_per_node=g.profile.worker_slots, argv=argv, cwd=cwd, env=env or {},
                                        config=config, jobs_root=str(self.jobs_root), checkpoint_dir=checkpoint_dir,
-                                       auto_resume=auto_resume, max_retries=max_retries, recovery=recovery)
+                                       auto_resume=auto_resume, max_retries=max_retries, recovery=recovery,
+                                       straggler=straggler.to_dict())
         (Path(job.job_dir) / "logs").mkdir(parents=True, exist_ok=True)
         if config is not None:
             (Path(job.job_dir) / "config.json").write_text(json.dumps(config, indent=2))

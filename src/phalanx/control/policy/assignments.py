@@ -122,6 +122,7 @@ class Assignments:
                                         f"hang detection paused, next: retrying at the next heartbeat")
             return {}, False
         self._said.pop(f"read:{job.id}", None)
+        self._note_step_times(job, gen, ranks)  # the straggler rule's input (scheduler.py)
         for w in self.records.workers(job=job.id, generation=gen.generation):
             step = (progress.get(w.rank) or {}).get("step")
             if step is not None and step != w.step:

@@ -41,6 +41,8 @@ from typing import Callable
 from phalanx import protocol
 from phalanx.control.agent.health import restart_job_failures
 from phalanx.control.policy.inplace import NODE_FAULTS, InPlaceRecovery
+from phalanx.control.policy.straggler_policy import StragglerPolicy
+from phalanx.control.policy.stragglers import StragglerWatch
 from phalanx.control.state.jobs import FaultKind, Outcome, ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
 from phalanx.control.state.store import Node, NodeState, Store
 from phalanx.control.policy.admission import Admission
@@ -51,9 +53,9 @@ log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
 
 
-class JobScheduler(Admission, Assignments):
-    """Admission (`admission.py`) and the heartbeat side (`assignments.py`) are its mixins; the generations'
-    lifecycle and the fault policy are here."""
+class JobScheduler(Admission, Assignments, StragglerPolicy):
+    """Admission (`admission.py`), the heartbeat side (`assignments.py`) and the straggler policy
+    (`straggler_policy.py`) are its mixins; the generations' lifecycle and the fault policy are here."""
 
     def __init__(self, store: Store, backend, *, jobs_root: Path,
                  read_progress: Callable[[str, int, list[int]], dict[int, dict]] | None,
@@ -73,6 +75,8 @@ class JobScheduler(Admission, Assignments):
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
         self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous, clock)  # checkpointless jobs
+        self._watches: dict[tuple[str, int], StragglerWatch] = {}  # (job, generation) → the straggler rule's state
+        self._flagged: dict[str, list[dict]] = {}  # job → its stragglers so far (`stragglers()`)
 
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:
@@ -93,6 +97,7 @@ class JobScheduler(Admission, Assignments):
             self._progress(job, gen, [w.rank for w in rows])
             rows = self.records.workers(job=job.id, generation=gen.generation)
         self._track_progress(job, gen, rows, now)
+        self._judge_stragglers(job, gen, rows, mark_faulty)
         if done:
             done = f"all {job.world_size} ranks exited 0"
             self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome=Outcome.SUCCEEDED,

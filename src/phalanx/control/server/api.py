@@ -78,6 +78,9 @@ class JobRequest(BaseModel):
     auto_resume: bool = False
     max_retries: int = Field(0, ge=0)
     recovery: Literal["restart", "checkpointless"] = "restart"
+    straggler_factor: float = Field(2.0, gt=1, description="a rank slower than this × its peers' median …")
+    straggler_steps: int = Field(5, ge=1, description="… for this many reports in a row is a straggler")
+    straggler_policy: Literal["report", "replace-node"] = "report"
 
 
 def build_app(ctl) -> FastAPI:

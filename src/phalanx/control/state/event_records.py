@@ -34,11 +34,12 @@ class EventRecords:
                     e.message or ""))
 
     def record_event(self, kind: EventKind | str, reason: str, *, node: str | None = None, job: str | None = None,
-                     from_state: str | None = None, to_state: str | None = None) -> Event:
-        """One controller event through `self.log` (under the lock: the table and the run file in one order)."""
+                     from_state: str | None = None, to_state: str | None = None, **fields) -> Event:
+        """One controller event through `self.log` (under the lock: the table and the run file in one order);
+        `fields`: its structured rest (the run's events.jsonl keeps them, the table its reason)."""
         states = {k: v for k, v in (("from_state", from_state), ("to_state", to_state)) if v is not None}
         with self._lock:
-            return self.log.emit(kind, reason, node=node, job=job, **states)
+            return self.log.emit(kind, reason, node=node, job=job, **states, **fields)
 
     def run_dir(self, job: str) -> Path | None:
         """Where a job's events.jsonl goes: its checkpoint_dir (against its cwd when relative); None: no such job."""

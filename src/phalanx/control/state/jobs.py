@@ -82,7 +82,7 @@ JOB_ALLOWED: dict[JobState, set[JobState]] = {
 FINAL = (J.SUCCEEDED, J.FAILED, J.CANCELLED)
 ACTIVE = (J.RUNNING, J.RECOVERING)  # holding nodes
 
-_JSON_FIELDS = ("nodes", "argv", "env", "config", "faults", "restored", "standbys")
+_JSON_FIELDS = ("nodes", "argv", "env", "config", "faults", "restored", "standbys", "straggler")
 
 
 def _enc(values: dict) -> dict:
@@ -129,6 +129,7 @@ class Job:
     created_at: float
     updated_at: float
     ended_at: float | None
+    straggler: dict | None = None  # {"factor", "steps", "policy"}: the straggler rule's settings (None: defaults)
 
     @property
     def world_size(self) -> int:
@@ -218,7 +219,7 @@ class JobRecords:
     # ---- jobs ---------------------------------------------------------------------------------------
     def add_job(self, *, name: str | None, kind: str, group: str, nodes: int, workers_per_node: int, argv: list,
                 cwd: str, env: dict, config: dict | None, jobs_root: str, checkpoint_dir: str | None,
-                auto_resume: bool, max_retries: int, recovery: str = "restart") -> Job:
+                auto_resume: bool, max_retries: int, recovery: str = "restart", straggler: dict | None = None) -> Job:
         now = self.store.clock()
         with self.store.transaction() as db:
             (seq,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()
@@ -230,7 +231,7 @@ class JobRecords:
                 "cwd": cwd, "env": env, "config": config, "job_dir": job_dir,
                 "checkpoint_dir": checkpoint_dir or f"{job_dir}/checkpoints", "nodes": [],
                 "auto_resume": int(auto_resume), "max_retries": max_retries, "reason": "waiting to be scheduled",
-                "recovery": recovery,
+                "recovery": recovery, "straggler": straggler,
                 "created_at": now, "updated_at": now,
             })
             db.execute(f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",

@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     nodes_json TEXT NOT NULL DEFAULT '[]',    -- nodes of the current generation, in rank order
     auto_resume INTEGER NOT NULL, max_retries INTEGER NOT NULL,
     recovery TEXT NOT NULL DEFAULT 'restart',  -- restart | checkpointless
+    straggler_json TEXT,                      -- {"factor", "steps", "policy"} (NULL: the defaults)
     attempts INTEGER NOT NULL DEFAULT 0,      -- generations started
     retries INTEGER NOT NULL DEFAULT 0,       -- restarts after application errors
     node_faults INTEGER NOT NULL DEFAULT 0,   -- generations ended by a node fault
@@ -86,6 +87,7 @@ def migrate(db: sqlite3.Connection) -> None:
     - Before the Prometheus metrics a state.db had no `counters` table and no `nodes.fault_cause`: both are
       added empty (the counts of faults before the upgrade are not reconstructed from the events' free text;
       a counter that starts at the upgrade is what Prometheus expects of a restarted process anyway).
+    - Before straggler settings a job had none: `jobs.straggler_json` is added, NULL (the defaults).
     """
     columns = {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
     if columns and "handle" not in columns:
@@ -96,3 +98,6 @@ def migrate(db: sqlite3.Connection) -> None:
     if columns:
         db.execute("CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, label TEXT NOT NULL, "
                    "value INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, label))")
+    job_columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+    if job_columns and "straggler_json" not in job_columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN straggler_json TEXT")
