@@ -212,6 +212,13 @@ def test_a_slow_rank_in_a_real_job_is_flagged_and_the_policy_applies(tmp_path, h
     # the run's events.jsonl has it with its numbers: the slow rank's compute against its peer's
     (streamed,) = [e for e in read_events(run_dir / "checkpoints") if e.kind.value == "straggler"]
     assert streamed.fields["rank"] == 1 and streamed.fields["seconds"] > 2 * streamed.fields["median_s"]
+    # /metrics counts it, the dashboard's timeline marks it in generation 1
+    import urllib.request
+    request = urllib.request.Request(client.url() + "/metrics", headers={"Authorization": f"Bearer {client.token}"})
+    scraped = urllib.request.urlopen(request, timeout=10).read().decode()
+    assert f'phalanx_job_stragglers_total{{job="{job["id"]}"}} 1.0' in scraped
+    marks = client.call("GET", f"/v1/jobs/{job['id']}/dashboard")["timeline"]["marks"]
+    assert [(m["kind"], m["generation"]) for m in marks] == [("straggler", 1)]
     if policy == "report":
         assert info["attempts"] == 1 and not [e for e in client.events() if e["to_state"] == "faulty"]
     else:

@@ -179,6 +179,11 @@ class RunFollower:
                 self.series = self.series[::2]
                 self._stride *= 2
 
+    def stragglers(self) -> list[Event]:
+        """The controller's `straggler` events of the job (each names the node; fields: generation, rank,
+        seconds, median_s, policy)."""
+        return [e for e in self.events if e.source == "controller" and e.kind == K.STRAGGLER]
+
     # ---- derived figures ---------------------------------------------------------------------------------
     def ended(self) -> bool:
         return any(e.source == "controller" and e.kind == K.JOB and e.fields.get("to_state") in FINAL_STATES

@@ -55,11 +55,13 @@ def add_dashboard_routes(app: FastAPI, store: Store, records: JobRecords, job_ru
         now = time.time()
         jobs = records.jobs()
         followed = dict((j.id, f) for j, f in job_runs.followers(jobs))
+        straggling = {e.node for j in jobs if j.ended_at is None and j.id in followed
+                      for e in followed[j.id].stragglers() if e.fields.get("generation") == j.generation}
         cluster = store.cluster()
         return {
             "cluster": {"name": cluster["name"], "status": cluster["status"], "reason": cluster["status_reason"]},
             "now": now,
-            "nodes": [node_view(n, now) for n in store.nodes()],
+            "nodes": [node_view(n, now, n.name in straggling) for n in store.nodes()],
             "jobs": [job_summary(j, followed.get(j.id)) for j in jobs],
         }
 
@@ -83,14 +85,14 @@ def add_dashboard_routes(app: FastAPI, store: Store, records: JobRecords, job_ru
         }
 
 
-def node_view(n: Node, now: float) -> dict:
-    """One tile of the node grid."""
+def node_view(n: Node, now: float, straggler: bool = False) -> dict:
+    """One tile of the node grid; `straggler`: a rank on it is flagged in its job's current generation."""
     failed = [c.get("name") for c in (n.health or {}).get("checks", []) if c.get("status") == "fail"]
     return {
         "name": n.name, "group": n.group, "state": n.state.value, "role": "spare" if n.is_spare else "member",
         "health": None if not n.health or not n.live else ("fail: " + ", ".join(map(str, failed)) if failed else "ok"),
         "heartbeat_age_s": None if n.last_heartbeat is None else max(0.0, now - n.last_heartbeat),
-        "job": n.job, "reason": n.reason, "since": n.state_since, "live": n.live,
+        "job": n.job, "reason": n.reason, "since": n.state_since, "live": n.live, "straggler": straggler,
     }
 
 
@@ -105,6 +107,7 @@ def job_summary(job: Job, follower) -> dict:
         "created_at": job.created_at, "ended_at": job.ended_at, "reason": job.reason,
         "goodput": round(ledger.goodput, 6) if ledger else None, "loss": last.get("loss"),
         "tokens_per_s": last.get("tokens_per_s"),
+        "stragglers": len(follower.stragglers()) if follower is not None else 0,
     }
 
 
@@ -163,7 +166,9 @@ def timeline(job: Job, gens: list[Generation], events: list[Event], steps: list[
             start = first["time"] - first["step_time_s"] if first else cursor
             entries.append({**rec, "kind": "first_step", "start": start, "seconds": phases["first_step"],
                             "detail": f"step {first['step']}" if first else "first step"})
-    return {"start": job.created_at, "end": end, "generations": out_gens, "entries": entries}
+    marks = [{"kind": "straggler", "start": e.time, "seconds": 0.0, "generation": e.fields.get("generation"),
+              "detail": _first_line(e.message)} for e in events if e.source == "controller" and e.kind == K.STRAGGLER]
+    return {"start": job.created_at, "end": end, "generations": out_gens, "entries": entries, "marks": marks}
 
 
 def _first_line(text: str | None) -> str | None:

@@ -139,6 +139,8 @@ class _JobFamilies:
         self.goodput = g("phalanx_job_goodput_seconds", "Wall time since submission by goodput category (the "
                          "ledger; recomputed every few seconds)", labels=["job", "category"])
         self.ratio = g("phalanx_job_goodput_ratio", "Productive time / wall time since submission", labels=job)
+        self.stragglers = c("phalanx_job_stragglers", "Ranks flagged as stragglers (one per job, generation and "
+                            "rank; docs/observability.md, Stragglers)", labels=job)
 
     def add(self, job: Job, f: RunFollower) -> None:
         j = [job.id]
@@ -156,6 +158,7 @@ class _JobFamilies:
             self.tokens.add_metric(j, f.tokens)
             _add(self.step_seconds, j, f.step_seconds)
             _add(self.saves, j, f.checkpoint_seconds)
+        self.stragglers.add_metric(j, len(f.stragglers()))
         derived = f.derived()
         for phase in PHASES:
             _add(self.phases, [job.id, phase],
@@ -167,4 +170,4 @@ class _JobFamilies:
 
     def families(self):
         yield from (self.info, self.step, self.last_step, self.tokens, self.loss, self.grad_norm, self.tps, self.mfu,
-                    self.step_seconds, self.phases, self.saves, self.goodput, self.ratio)
+                    self.step_seconds, self.phases, self.saves, self.goodput, self.ratio, self.stragglers)

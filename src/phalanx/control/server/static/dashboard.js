@@ -12,7 +12,7 @@ const CATEGORY_COLORS = {
   recovery: "#f3c74a", idle: "#c9cdd3",
 };
 const PHASE_COLORS = { fault: "#c0392b", detect: "#e0533d", regroup: "#f0a33a", restore: "#9b7fd1",
-  first_step: "#2e9d5b" };
+  first_step: "#2e9d5b", straggler: "#d35400" };
 const MAX_WATERFALLS = 3;  // the newest recoveries drawn zoomed
 const OUTCOME_COLORS = { null: "#6c8ebf", succeeded: "#2e9d5b", cancelled: "#9aa0a6" };
 
@@ -125,6 +125,10 @@ function drawOverview(o) {
       "data-group": n.group, title: n.reason || "" });
     const head = el("div", { class: "node-head" });
     head.append(el("span", { class: "node-name" }, n.name), el("span", { class: `role ${n.role}` }, n.role));
+    if (n.straggler) {
+      tile.dataset.straggler = "true";
+      head.append(el("span", { class: "role straggler", title: "a rank on this node is flagged as a straggler" }, "straggler"));
+    }
     tile.append(head, el("div", { class: "node-state" }, n.state));
     const rows = [["group", n.group], ["health", n.health || "–"], ["job", n.job || "–"],
       ["heartbeat", n.heartbeat_age_s === null ? "–" : `${n.heartbeat_age_s.toFixed(1)} s ago`]];
@@ -255,6 +259,12 @@ function drawTimeline(t) {
     shape.append(svgEl("title", {}, `${e.kind}: ${secs(e.seconds)} ${e.detail || ""}`));
     svg.append(shape);
   }
+  for (const m of t.marks || []) {  // stragglers flagged: a marker on the recoveries row
+    const x = sx(m.start), y = 10 + rowH;
+    const mark = svgEl("path", { d: `M${x - 5},${y + 14} l5,-10 l5,10 z`, fill: PHASE_COLORS.straggler, "data-kind": "straggler" });
+    mark.append(svgEl("title", {}, m.detail || "straggler"));
+    svg.append(mark);
+  }
   for (const frac of [0, 0.25, 0.5, 0.75, 1]) {
     const v = t0 + (t1 - t0) * frac;
     svg.append(svgEl("text", { x: sx(v), y: top - 4, "text-anchor": frac === 0 ? "start" : frac === 1 ? "end" : "middle",
@@ -262,7 +272,7 @@ function drawTimeline(t) {
   }
   let y = top;
   for (const r of recoveries) y = drawWaterfall(svg, r, y, W, L, t0);
-  drawTimelineTable(t, gens, entries);
+  drawTimelineTable(t, gens, entries.concat(t.marks || []));
 }
 
 // each recovery's phases, zoomed: from the fault to the end of the first step, one bar per phase
