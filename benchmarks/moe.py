@@ -14,9 +14,10 @@ the coefficient of variation, early vs late in training.
 GPU (only when CUDA is available): one process, bf16, tokens/s and MFU of the `llama-1b` preset (dense,
 16 layers) and of an MoE on the same widths (llama-1b with 8 layers, each with 8 experts of intermediate
 4096, top-2: the same active MLP width per token and layer as the dense model, half the layers), on
-random tokens (block 2048). MFU = tokens/s × (6 × active non-embedding params + 12 × layers
-× dim × seq) / peak bf16 FLOP/s of the device (from its name; None when unknown). Without a GPU the JSON
-says "no GPU".
+random tokens (block 2048). MFU = tokens/s × FLOPs per token / peak bf16 FLOP/s of the device, both from
+`phalanx.train.mfu` (what each step's `mfu` in metrics.jsonl uses: 6 × active params in matmuls, the output
+head included, + 12 × layers × heads × head_dim × seq; the peak from the device's name, None when unknown).
+Without a GPU the JSON says "no GPU".
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/moe.py --runs 5
 """
@@ -40,9 +41,6 @@ from phalanx.process import exit_without_teardown  # noqa: E402
 
 RECIPE = REPO_ROOT / "recipes" / "tiny-mixtral.yaml"
 EP_DEGREES = (1, 2, 4)
-# Dense bf16 peak FLOP/s (no sparsity) by device-name substring, most specific first.
-PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                   ("A10G", 70e12), ("L4", 121e12)]
 
 
 # ---- one training run (a worker process of the CPU part, or the single GPU process) -----------------
@@ -173,17 +171,6 @@ def bench_cpu(args, work: Path) -> dict:
 
 
 # ---- single GPU ------------------------------------------------------------------------------------
-def flops_per_token(model_config, seq: int) -> float:
-    """6 × active non-embedding params (forward + backward) + attention (12 × layers × dim × seq)."""
-    embedding = model_config.vocab_size * model_config.dim * (1 if model_config.tie_embeddings else 2)
-    active = model_config.num_params(active=True) - embedding
-    return 6 * active + 12 * model_config.n_layers * model_config.dim * seq
-
-
-def peak_flops(device_name: str) -> float | None:
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
-
-
 GPU_MODELS = {
     "dense llama-1b": {"preset": "llama-1b", "overrides": {}},
     "moe llama-1b shapes, 8 experts top-2, 8 layers": {
@@ -197,10 +184,11 @@ def bench_single_device(device, models: dict, data: Path, *, micro_batch: int, s
     import torch
 
     from phalanx.train.config import config_from_dict
+    from phalanx.train.mfu import flops_per_token, peak_flops_per_s
     from phalanx.train.trainer import resolve_model_config
 
     name_of_device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    out = {"device": name_of_device, "peak_bf16_flops": peak_flops(name_of_device), "models": {}}
+    out = {"device": name_of_device, "peak_bf16_flops": peak_flops_per_s(name_of_device, "bf16"), "models": {}}
     for name, model in models.items():
         config = config_from_dict({
             "run_dir": str(work / name.split()[0]), "precision": "bf16", "model": model,

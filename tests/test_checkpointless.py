@@ -24,6 +24,7 @@ from phalanx import protocol
 from phalanx.control.client.cluster import ClusterClient, create_cluster
 from phalanx.control.client.jobs import JobClient
 from test_jobs import step_at_least, write_config, write_spec
+from test_tensorboard import scalars
 
 pytestmark = pytest.mark.slow
 
@@ -323,3 +324,9 @@ def test_losing_both_replicas_of_a_shard_falls_back_to_the_checkpoint(tmp_path, 
     resumed = [e for e in events if e["event"] == "resumed"][-1]
     saved = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e["time"] < restored[-1]["time"]]
     assert resumed["step"] == max(saved), (resumed, saved)
+    # rank 0 survived in its process and rolled back with it: TensorBoard shows each step once, the newest value
+    steps, _ = records(run_dir)
+    newest = {s["step"]: s["loss"] for s in steps}
+    shown = scalars(run_dir / "tensorboard")["loss"]
+    assert [step for step, _ in shown] == list(range(1, STEPS + 1)), shown
+    assert all(value == pytest.approx(newest[step], rel=1e-6) for step, value in shown)

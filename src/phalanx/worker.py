@@ -177,6 +177,7 @@ def wait_as_standby() -> None:
     import time
 
     import phalanx.train.trainer  # noqa: F401 - imported now, not after adoption
+    import torch.utils.tensorboard  # noqa: F401 - rank 0's TensorBoard writer, should this spare become rank 0
     from phalanx.resilience.groups import warm_up
 
     started = time.perf_counter()

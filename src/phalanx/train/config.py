@@ -98,6 +98,16 @@ class CheckpointSection(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class MetricsSection(_Strict):
+    """What rank 0 records beside metrics.jsonl."""
+
+    tensorboard: bool = Field(True, description="write TensorBoard scalars (loss, grad_norm, lr, tokens_per_s, "
+                                                "mfu) to <run_dir>/tensorboard; false: none")
+    peak_flops_per_s: float | None = Field(
+        None, gt=0, description="peak FLOP/s of one device, for the `mfu` of each step; default: from the GPU's "
+                                "name and `precision` (H100, H200, A100, ...), none on CPU or an unknown GPU")
+
+
 class FaultDrill(_Strict):
     """A fault drill: worker `rank` kills its own process (SIGKILL, no cleanup) at one moment of training, as a
     crash there would — or, for `network`, stays alive while its collective fails. It fires only in a process
@@ -149,6 +159,7 @@ class TrainConfig(_Strict):
     lr_schedule: LRScheduleSection = LRScheduleSection()
     activation_checkpointing: ActivationCheckpointingSection = ActivationCheckpointingSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    metrics: MetricsSection = MetricsSection()
     resilience: ResilienceSection = ResilienceSection()
 
     @model_validator(mode="after")

@@ -5,7 +5,8 @@ phalanx.observability.run_events) and the progress line.
 Only rank 0 writes. Its events go through one `EventLog` (source "rank:0"; the job from PHALANX_JOB_ID when an
 agent started it) with two sinks: the metrics.jsonl line, exactly `{"time", "event": kind, **fields}` (what
 `read_metrics`, the tests and the chaos soak read), then `<events_dir>/events.jsonl` — the job's checkpoint
-dir, the run dir every source of a job's events knows. Knows nothing about models or parallelism.
+dir, the run dir every source of a job's events knows. Step records also go to `scalars` when given (the
+run's TensorBoard scalars, `phalanx.train.tensorboard`). Knows nothing about models or parallelism.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from phalanx.protocol import JOB_ID
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int, events_dir: Path | None = None,
-                 source: str = "rank:0"):
-        """`events_dir`: where the run's events.jsonl is (the trainer gives its checkpoint dir); default `run_dir`."""
+                 source: str = "rank:0", scalars=None):
+        """`events_dir`: where the run's events.jsonl is (the trainer gives its checkpoint dir); default `run_dir`.
+        `scalars`: also given each step record (`write(record, walltime)`, `close()`), e.g. `TensorBoardScalars`."""
         self.enabled = enabled
         self.max_steps = max_steps
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -35,6 +37,7 @@ class MetricsWriter:
         self._file = None
         self.log = EventLog(source, [self._event_line, JsonlSink(self.events_path)])
         self.job = os.environ.get(JOB_ID) or None  # (set by the agent that started this worker)
+        self.scalars = scalars if enabled else None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
@@ -50,13 +53,17 @@ class MetricsWriter:
     def step(self, record: dict, *, print_line: bool = True) -> None:
         if not self.enabled:
             return
-        self._write({"time": time.time(), **record})
+        now = time.time()
+        self._write({"time": now, **record})
+        if self.scalars is not None:
+            self.scalars.write(record, walltime=now)
         if print_line:
             self.console.print(
                 f"[bold]step {record['step']:>5}/{self.max_steps}[/] "
                 f"loss [cyan]{record['loss']:.4f}[/] grad_norm {record['grad_norm']:.3f} "
                 f"lr {record['lr']:.2e} consumed {record['samples_consumed']} "
                 f"iter {record['step_time_s']:.3f}s {record['tokens_per_s']:,.0f} tok/s"
+                + (f" mfu {record['mfu']:.1%}" if "mfu" in record else "")
             )
 
     def event(self, kind: EventKind | str, **fields) -> None:
@@ -68,6 +75,9 @@ class MetricsWriter:
         self.console.print(f"[magenta]{kind}[/] {escape(details)}")  # details may hold [brackets]
 
     def close(self) -> None:
+        if self.scalars is not None:
+            self.scalars.close()
+            self.scalars = None
         if self._file is not None:
             self._file.close()
             self._file = None

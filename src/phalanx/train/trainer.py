@@ -30,8 +30,10 @@ from phalanx.train.callbacks import Callbacks
 from phalanx.train.checkpoint import CheckpointManager, step_dir
 from phalanx.train.config import ConfigError, TrainConfig
 from phalanx.train.metrics import MetricsWriter
+from phalanx.train.mfu import flops_per_token, mfu, peak_flops_per_s
 from phalanx.train.optim import build_optimizer, build_scheduler
 from phalanx.train.state import Progress, TrainState
+from phalanx.train.tensorboard import TensorBoardScalars
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +120,15 @@ class Trainer:
         self.last_record: dict | None = None  # the newest step's record (every rank has it: the loss is reduced)
         self._saved_step: int | None = None
         self.callbacks = Callbacks()  # what others run at points of the loop (progress reports, drills)
+        # MFU: known when the config gives the peak or the GPU's name is in the table (never on CPU by default)
+        self.flops_per_token = flops_per_token(self.model_config, self.dataset.meta.block_size)
+        self.peak_flops_per_s = config.metrics.peak_flops_per_s or peak_flops_per_s(
+            torch.cuda.get_device_name(device) if device.type == "cuda" else None, config.precision)
+        scalars = (TensorBoardScalars(config.run_dir / "tensorboard")
+                   if config.metrics.tensorboard and self.rank == 0 else None)
         self.metrics = MetricsWriter(config.run_dir, enabled=self.rank == 0, max_steps=config.training.max_steps,
-                                     events_dir=config.checkpoint_dir)  # the run's events.jsonl: the job's run dir
+                                     events_dir=config.checkpoint_dir,  # the run's events.jsonl: the job's run dir
+                                     scalars=scalars)
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir,
             keep=config.checkpoint.keep,
@@ -266,6 +275,8 @@ class Trainer:
             "compute_time_s": compute_time,
             "samples_consumed": self.progress.samples_consumed,
         }
+        if self.peak_flops_per_s:
+            record["mfu"] = mfu(record["tokens_per_s"], self.flops_per_token, self.peak_flops_per_s, self.world_size)
         if routed is not None:  # MoE: how the global batch was routed
             counts = [int(v) for v in routed.tolist()]
             record.update(tokens_per_expert=counts[:-1], dropped_pairs=counts[-1])
