@@ -27,7 +27,7 @@ demo: $(STAMP) data/demo/train.bin
 
 # System packages the tests drive for real: Prometheus scrapes a cluster, headless Chromium opens the dashboard.
 # Installed from Debian when running as root (CI is); otherwise they must already be on PATH.
-SYSTEM_PACKAGES := prometheus chromium chromium-driver
+SYSTEM_PACKAGES := prometheus chromium chromium-driver fonts-liberation
 system-deps:
 	@missing=""; for b in prometheus chromium chromedriver; do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \

@@ -8,14 +8,12 @@ the ranks taken in turn 1, 2, 3, 0, 1, ... of the current generation; the spare 
 between kills (a cluster of 4 `local.cpu-1` nodes + 1 spare). After `--duration` seconds the job is stopped.
 
   goodput           committed samples ÷ (wall × failure-free throughput): the step the run had reached at the
-                    end (steps redone after a rollback count once) × the failure-free run's median step time,
-                    ÷ the wall time from submission (torchrun: launch) to the end
+                    end (steps redone after a rollback count once) ÷ the step the same harness reached in a
+                    failure-free run of the same length (same job, same cluster, from submission: the start-up
+                    is in both), run just before it
   ledger_goodput    Phalanx only: the job's goodput ledger's productive ÷ wall (`phalanx job goodput`), the
                     same time attributed from the run's own events
   kills             the faults injected; generations: the job's generations (Phalanx)
-
-The failure-free throughput: the same job on the same harness without faults for `--baseline-steps` steps,
-median step time after 5 steps of warm-up (run first, per harness).
 
 BENCHMARKS.md's setting is a SIGKILL every 30 s for 5 minutes; the default here is that period over 150 s (5
 kills) to fit this 2-core machine's time: pass `--duration 300` for the full one.
@@ -59,10 +57,6 @@ def steps_of(metrics: Path) -> list[dict]:
     return out
 
 
-def normal_step_s(steps: list[dict], warmup: int = 5) -> float:
-    return median([s["step_time_s"] for s in steps[warmup:]] or [s["step_time_s"] for s in steps])
-
-
 class PhalanxRun:
     """Submit, kill on schedule, stop at the deadline; the job's own figures."""
 
@@ -77,19 +71,7 @@ class PhalanxRun:
                 raise TimeoutError("the spare pool was not refilled within 120 s")
             time.sleep(0.2)
 
-    def baseline(self, tree: dict, steps: int) -> float:
-        from phalanx.train.config import config_from_dict
-
-        self._wait_spare()
-        tree = {**tree, "training": {**tree["training"], "max_steps": steps}}
-        job = self.h.jobs.submit(config_from_dict(tree), nodes=NODES, name=Path(tree["run_dir"]).name,
-                                 recovery=self.h.recovery)
-        info = self.h.jobs.wait(job["id"], timeout_s=600)
-        if info["state"] != "succeeded":
-            raise RuntimeError(f"baseline job {job['id']}: {info['state']}: {info['reason']}")
-        return normal_step_s(steps_of(Path(tree["run_dir"]) / "metrics.jsonl"))
-
-    def run(self, tree: dict, duration: float, period: float) -> dict:
+    def run(self, tree: dict, duration: float, period: float | None) -> dict:
         from phalanx.train.config import config_from_dict
 
         self._wait_spare()
@@ -99,7 +81,7 @@ class PhalanxRun:
                                  recovery=self.h.recovery)
         kills, i = [], 0
         while (now := time.time()) < start + duration:
-            due = start + period * (len(kills) + 1)
+            due = start + period * (len(kills) + 1) if period else start + duration  # None: failure-free
             if now < due:
                 time.sleep(min(0.2, due - now))
                 continue
@@ -145,23 +127,14 @@ class TorchrunRun:
         log = open(run_dir / "torchrun.log", "w")
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
 
-    def baseline(self, tree: dict, steps: int) -> float:
-        tree = {**tree, "training": {**tree["training"], "max_steps": steps}}
-        proc, log = self._launch(tree, 0)
-        with log:
-            code = proc.wait(timeout=600)
-        if code != 0:
-            raise RuntimeError(f"baseline torchrun exited with {code}")
-        return normal_step_s(steps_of(Path(tree["run_dir"]) / "metrics.jsonl"))
-
-    def run(self, tree: dict, duration: float, period: float) -> dict:
+    def run(self, tree: dict, duration: float, period: float | None) -> dict:
         run_dir = Path(tree["run_dir"])
         start = time.time()
         proc, log = self._launch(tree, 1000)
         kills, i = [], 0
         try:
             while (now := time.time()) < start + duration:
-                due = start + period * (len(kills) + 1)
+                due = start + period * (len(kills) + 1) if period else start + duration  # None: failure-free
                 if now < due:
                     time.sleep(min(0.2, due - now))
                     continue
@@ -194,7 +167,6 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=150.0, help="seconds of each run (BENCHMARKS.md: 300)")
     parser.add_argument("--period", type=float, default=30.0, help="seconds between kills")
     parser.add_argument("--interval", type=int, default=25, help="checkpoint interval (steps)")
-    parser.add_argument("--baseline-steps", type=int, default=40)
     parser.add_argument("--harness", default="checkpointless,phalanx,torchrun")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "goodput.json")
     args = parser.parse_args()
@@ -213,21 +185,19 @@ def main() -> None:
             runners.append(TorchrunRun(root))
     samples: dict[str, list[dict]] = {r.name: [] for r in runners}
     try:
-        for r in runners:
-            step_s = r.baseline(job_tree(root / f"{r.name}-baseline", data, FOREVER, args.interval), args.baseline_steps)
-            samples[r.name + "_baseline_step_s"] = step_s
-            print(f"{r.name:>14}: failure-free median step {step_s:.4f} s", flush=True)
         for i in range(args.runs):
             for r in runners:
+                free = r.run(job_tree(root / f"{r.name}-free-{i}", data, FOREVER, args.interval), args.duration, None)
                 s = r.run(job_tree(root / f"{r.name}-{i}", data, FOREVER, args.interval), args.duration, args.period)
-                step_s = samples[r.name + "_baseline_step_s"]
-                s["goodput"] = s["reached_step"] * step_s / s["wall_s"]
+                s["failure_free"] = free
+                s["goodput"] = s["reached_step"] / free["reached_step"]
                 samples[r.name].append(s)
                 killed = sum("rank" in k for k in s["kills"])
                 print(f"run {i + 1}/{args.runs} {r.name:>14}: goodput {s['goodput']:.3f}  reached step "
-                      f"{s['reached_step']} in {s['wall_s']:.1f} s, {killed} kills" +
-                      (f", ledger goodput {s['ledger_goodput']:.3f}, {s['generations']} generations"
-                       if "ledger_goodput" in s else ""), flush=True)
+                      f"{s['reached_step']} vs {free['reached_step']} failure-free in {s['wall_s']:.1f} s, "
+                      f"{killed} kills" + (f"; ledger goodput {s['ledger_goodput']:.3f} ({s['generations']} "
+                                           f"generations) vs {free['ledger_goodput']:.3f} failure-free"
+                                           if "ledger_goodput" in s else ""), flush=True)
     finally:
         if cluster is not None:
             cluster.close()
@@ -242,7 +212,7 @@ def main() -> None:
         "benchmark": "goodput",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/goodput.py " + " ".join(sys.argv[1:]),
         "config": {"nodes": NODES, "spares": 1, "duration_s": args.duration, "period_s": args.period,
-                   "checkpoint_interval": args.interval, "baseline_steps": args.baseline_steps,
+                   "checkpoint_interval": args.interval,
                    "rank_order": RANK_ORDER, "job": job_tree(Path("<run_dir>"), Path("<data>"), FOREVER, args.interval)},
         "samples": samples, "summary": summary,
     })
