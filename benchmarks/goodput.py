@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery import NODES, CheckpointlessHarness, PhalanxHarness, job_tree, prepare_data  # noqa: E402
+from recovery import NODES, CheckpointlessHarness, PhalanxHarness, job_tree, kill_tagged, prepare_data  # noqa: E402
 from report import RESULTS_DIR, cpu_env, median, write_results  # noqa: E402
 
 from phalanx.control.backends.local import child_with_env  # noqa: E402
@@ -159,6 +159,9 @@ class TorchrunRun:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.close()
+            stray = kill_tagged("PHALANX_CONFIG", str(run_dir / "config.json"))  # workers: sessions of their own
+            if stray:
+                print(f"torchrun: stopped {len(stray)} worker(s) it left running", flush=True)
         reached = max((s["step"] for s in steps_of(run_dir / "metrics.jsonl") if s["time"] <= end), default=0)
         return {"wall_s": end - start, "reached_step": reached, "kills": kills}
 

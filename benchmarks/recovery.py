@@ -83,6 +83,24 @@ def job_tree(run_dir: Path, data: Path, steps: int, interval: int, parallel: dic
     }
 
 
+def kill_tagged(name: str, value: str) -> list[int]:
+    """SIGKILL every live process whose environment has `name=value` (torchrun starts its workers in sessions of
+    their own: killing torchrun's process group does not reach them). Returns their pids."""
+    wanted, killed = f"{name}={value}".encode(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if wanted not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(entry), signal.SIGKILL)
+            killed.append(int(entry))
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
 def wait_for_step(metrics: Path, step: int, proc_alive, timeout_s: float = 600) -> None:
     """Poll rank 0's metrics file until it logs `step` (every 10 ms: the kill lands within a step)."""
     deadline, offset, last = time.monotonic() + timeout_s, 0, 0
@@ -249,6 +267,7 @@ class TorchrunHarness:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                kill_tagged("PHALANX_CONFIG", str(config_path))  # its workers, in sessions of their own
         if code != 0:
             raise RuntimeError(f"torchrun exited with {code}; see {run_dir / 'torchrun.log'}")
         figures = recovery_figures(run_dir / "metrics.jsonl", killed_at)
