@@ -17,7 +17,11 @@ SIGKILLed the moment rank 0 logs that step:
             their processes and regroup; the spare's warm standby takes rank 1 and restores its shard from
             the other replica (rank 3).
   cold      checkpointless as above on a cluster of its own whose spare has no warm standby: the
-            replacement is a fresh process (the agent spawns it when the new generation is assigned).
+            replacement is a new process, forked from the spare's worker template (torch already imported)
+            when the new generation is assigned.
+  cold-exec `cold` on a cluster without worker templates (`worker_template: false`): the replacement is a
+            fresh `python -m phalanx.worker` that imports torch — what `cold` was before the templates.
+  phalanx-exec  `phalanx` on a cluster without worker templates: every worker of the new generation is exec'd.
   buddy     checkpointless without a replica: the same job as FSDP over 4 ranks (`dp_replicate: 1`), buddy
             snapshots every step; the replacement restores from its buddy's snapshot and everyone rolls back
             to the newest snapshot all shards have.
@@ -128,7 +132,7 @@ class PhalanxHarness:
     name = "phalanx"
     recovery = "restart"
     parallel = HSDP
-    cluster_name, warm_standby = "bench", True
+    cluster_name, warm_standby, worker_template = "bench", True, True
 
     def __init__(self, root: Path, cluster: "PhalanxHarness | None" = None):
         if cluster is not None:  # share another harness's cluster
@@ -143,14 +147,17 @@ class PhalanxHarness:
         spec.write_text(json.dumps({
             "name": self.cluster_name, "backend": "local", "node_recovery": "automatic",
             "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": NODES, "spares": 1,
-                                 "warm_standby": self.warm_standby}],
+                                 "warm_standby": self.warm_standby, "worker_template": self.worker_template}],
             "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 120.0}}))
         create_cluster(spec, timeout_s=120)
         self.client, self.jobs = ClusterClient(self.cluster_name), JobClient(self.cluster_name)
 
     def spare_ready(self) -> bool:
-        """A healthy spare; for checkpointless, also its warm standby, warmed up."""
+        """A healthy spare with its worker template ready; for checkpointless, also its warm standby, warmed up."""
         spares = [n for n in self.client.nodes() if n["is_spare"] and n["state"] == "healthy"]
+        if self.worker_template:  # its worker template has imported torch (else the replacement would be exec'd)
+            spares = [n for n in spares if "worker template ready" in
+                      (Path(n["work_dir"]) / "agent.log").read_text(errors="replace")]
         if self.recovery != "checkpointless" or not self.warm_standby:
             return bool(spares)
         from phalanx.demo import spare_standby_warm
@@ -228,6 +235,19 @@ class ColdCheckpointlessHarness(CheckpointlessHarness):
     cluster_name, warm_standby = "bench-cold", False
 
 
+class ColdExecHarness(ColdCheckpointlessHarness):
+    """`cold` without the nodes' worker templates (its own cluster): the replacement is exec'd, imports torch."""
+    name = "cold-exec"
+    cluster_name, worker_template = "bench-cold-exec", False
+
+
+class ExecRestartHarness(PhalanxHarness):
+    """`phalanx` (restart from checkpoint) without the nodes' worker templates (its own cluster): every worker
+    of the new generation is exec'd and imports torch."""
+    name = "phalanx-exec"
+    cluster_name, worker_template = "bench-exec", False
+
+
 class BuddyHarness(CheckpointlessHarness):
     """Checkpointless without a replica: FSDP over 4 ranks, buddy snapshots every step."""
     name = "buddy"
@@ -295,8 +315,9 @@ def main() -> None:
     parser.add_argument("--fail-step", type=int, default=75, help="kill one rank when rank 0 logs this step")
     parser.add_argument("--harness", default="checkpointless,buddy,cold,phalanx,torchrun",
                         help="comma-separated: checkpointless (HSDP 2x2), buddy (checkpointless, FSDP 4), cold "
-                             "(checkpointless, HSDP 2x2, no warm standby), phalanx (restart from checkpoint), "
-                             "torchrun")
+                             "(checkpointless, HSDP 2x2, no warm standby), cold-exec (cold without worker "
+                             "templates), phalanx (restart from checkpoint), phalanx-exec (phalanx without worker "
+                             "templates), torchrun")
     parser.add_argument("--overhead-runs", type=int, default=3, help="snapshot on/off pairs (0: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "recovery.json")
     args = parser.parse_args()
@@ -311,8 +332,9 @@ def main() -> None:
             kind = {"phalanx": PhalanxHarness, "checkpointless": CheckpointlessHarness, "buddy": BuddyHarness}[name]
             h = kind(root, cluster)
             cluster = cluster or h
-        elif name == "cold":
-            h = ColdCheckpointlessHarness(root)
+        elif name in ("cold", "cold-exec", "phalanx-exec"):
+            h = {"cold": ColdCheckpointlessHarness, "cold-exec": ColdExecHarness, "phalanx-exec": ExecRestartHarness}[
+                name](root)
         else:
             h = TorchrunHarness(root)
         harnesses.append(h)
@@ -364,6 +386,12 @@ def main() -> None:
         m = medians["cold"]
         summary.update(cold_downtime_s=m["downtime_s"], cold_survivor_stall_s=m["stall_s"],
                        cold_rejoin_s=m["rejoin_s"], cold_steps_lost=m["steps_lost"])
+    if "cold-exec" in medians:
+        m = medians["cold-exec"]
+        summary.update(cold_exec_downtime_s=m["downtime_s"], cold_exec_rejoin_s=m["rejoin_s"])
+    if "phalanx-exec" in medians:
+        m = medians["phalanx-exec"]
+        summary.update(restart_exec_downtime_s=m["downtime_s"], restart_exec_first_step_s=m["first_step_s"])
     if "buddy" in medians:
         m = medians["buddy"]
         summary.update(buddy_downtime_s=m["downtime_s"], buddy_survivor_stall_s=m["stall_s"],
@@ -374,6 +402,9 @@ def main() -> None:
                        torchrun_first_step_s=m["first_step_s"])
     if "phalanx" in medians and "torchrun" in medians:
         summary["restart_downtime_ratio_vs_torchrun"] = medians["phalanx"]["downtime_s"] / medians["torchrun"]["downtime_s"]
+    if "phalanx-exec" in medians and "torchrun" in medians:
+        summary["restart_exec_downtime_ratio_vs_torchrun"] = (medians["phalanx-exec"]["downtime_s"]
+                                                              / medians["torchrun"]["downtime_s"])
     if "phalanx" in medians and "checkpointless" in medians:
         summary["downtime_ratio"] = medians["checkpointless"]["downtime_s"] / medians["phalanx"]["downtime_s"]
     if overhead["snapshots_on"] and overhead["snapshots_off"]:

@@ -230,6 +230,10 @@ def test_the_census_finds_each_nodes_session_from_its_handle():
 def test_leaked_processes_and_ports_are_caught():
     before = census()
     assert inv.check_leaks(before, census(), {}, [1234]) == []
+    with_template = census(300)
+    with_template.nodes["w1"].template = 300  # the node's worker template is not a leak
+    assert inv.check_leaks(with_template, with_template, {}, []) == []
+    assert any("besides its agent" in m for m in inv.check_leaks(with_template, census(300), {}, []))
     assert any("besides its agent" in m and "999" in m for m in inv.check_leaks(before, census(999), {}, []))
     assert any("still running after it ended" in m for m in inv.check_leaks(before, census(), {999: "python -m x"}, []))
     assert any("retired node w9" in m for m in inv.check_leaks(before, census(retired={"w9": [555]}), {}, []))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
 from phalanx.cli import app
 from phalanx import protocol
-from phalanx.control.backends.local import process_running, processes_mentioning, session_members
+from phalanx.control.backends.local import cmdline, process_running, processes_mentioning, session_members
 from phalanx.control.client.cluster import ClusterClient, controller_pid, create_cluster, delete_cluster, start_controller
 from phalanx.control.client.jobs import JobClient, JobError
 from phalanx.control.state.paths import ClusterPaths, list_clusters
@@ -280,8 +281,11 @@ def test_refused_submits_start_nothing_and_a_torch_distributed_command_runs(tmp_
     code, out = cli("job", "submit", "--nodes", 1, "--name", "no spaces", "--", "true")
     assert code == 2 and "--name 'no spaces'" in flat(out)
     assert jobs.list() == [] and not (home / "clusters/c1/jobs").exists() and not (tmp_path / "run").exists()
-    for node in client.nodes():
-        assert session_members(int(node["handle"])) == [int(node["handle"])], "only the agent runs on each node"
+    for node in client.nodes():  # the agent and its worker template (torch imported, forks the workers)
+        members = session_members(int(node["handle"]))
+        assert [p for p in members if "phalanx.zygote" not in cmdline(p)] == [int(node["handle"])], \
+            "only the agent and its worker template run on each node"
+        assert len(members) == 2, members
 
     script = ("import os, torch, torch.distributed as d; d.init_process_group('gloo'); r = d.get_rank(); "
               "t = torch.tensor([r + 1.0]); d.all_reduce(t); "
@@ -435,6 +439,11 @@ def test_killed_node_is_replaced_by_the_spare_and_training_resumes_from_the_chec
     for s in overlap:  # exact resume: a step redone after the restart matches the first run
         assert abs(s["loss"] - before[s["step"]]) <= 1e-5, (s["step"], s["loss"], before[s["step"]])
     assert set(committed_steps(run_dir / "checkpoints")) >= {resumed["step"], 24}
+    # the survivors' nodes forked generation 2's workers from their worker template (torch already imported)
+    for name in [n for n in first["nodes"] if n != victim]:
+        agent_log = (Path(nodes[name]["work_dir"]) / "agent.log").read_text()
+        assert re.search(rf"started worker rank \d/4 of job \d+ generation 2 \(pid \d+, forked from the node's "
+                         r"worker template", agent_log), agent_log[-3000:]
 
     # the goodput ledger from the run's files: every second since submission in exactly one category; the kill
     # is failure detection, the restart recovery, and the first execution of each redone step is replayed

@@ -1,5 +1,5 @@
 """Who runs on the machine for one cluster, read from /proc: the controller, each live node's session (its
-agent, its warm standbys, its workers), what is left in the sessions of nodes already retired, and which TCP
+agent, its worker template, its warm standbys, its workers), what is left in the sessions of nodes already retired, and which TCP
 ports those processes listen on. `phalanx chaos` takes one census before a trial and one after the job
 ended, and `invariants.check_leaks` compares them.
 
@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phalanx.control.backends.local import process_running, session_members
+from phalanx.control.agent.template import TEMPLATE_MODULE
+from phalanx.control.backends.local import cmdline, process_running, session_members
 
 
 @dataclass
@@ -22,6 +23,7 @@ class NodeCensus:
     members: list[int]  # live processes of the node's session, the agent included
     standbys: int  # warm standby processes the agent says it keeps (its last heartbeat)
     job: str | None = None  # the job the node runs, if any
+    template: int | None = None  # the node's worker template (`python -m phalanx.zygote`), if it runs
 
 
 @dataclass
@@ -93,6 +95,8 @@ def take_census(nodes: list[dict], controller: int | None) -> Census:
                 census.retired[n["name"]] = members
             continue
         standbys = len(((n.get("report") or {}).get("standbys")) or {})
-        census.nodes[n["name"]] = NodeCensus(agent=agent, members=members, standbys=standbys, job=n.get("job"))
+        template = next((p for p in members if f"-m {TEMPLATE_MODULE} " in cmdline(p)), None)
+        census.nodes[n["name"]] = NodeCensus(agent=agent, members=members, standbys=standbys, job=n.get("job"),
+                                             template=template)
     census.listening = listening_ports(census.pids())
     return census

@@ -10,8 +10,8 @@ workers, events), and two process censuses — returning what it found wrong (em
                  `resumed` is never written before the `fault_detected`/`state_restored` of its recovery;
                  the controller's generations, outcomes, events and last step agree with the run
     generations  the fault ended as many generations as it should (a slow rank or a controller restart none)
-    leaks        no worker of the job outlived it; every node runs its agent and warm standbys, nothing else;
-                 retired nodes left nothing; no port of the job is still listened on; the controller did
+    leaks        no worker of the job outlived it; every node runs its agent, its worker template and warm
+                 standbys, nothing else; retired nodes left nothing; no port of the job is still listened on; the controller did
                  not open ports it keeps
 
 Knows nothing about how faults are injected or how the job was run.
@@ -212,10 +212,10 @@ def check_leaks(before: Census, after: Census, job_pids_alive: dict[int, str], j
         out.append(f"workers of the job still running after it ended: "
                    f"{[f'{p}: {c[:80]}' for p, c in sorted(job_pids_alive.items())]}")
     for name, n in sorted(after.nodes.items()):
-        others = [p for p in n.members if p != n.agent]
+        others = [p for p in n.members if p not in (n.agent, n.template)]
         if len(others) > n.standbys:
-            out.append(f"node {name}: {len(others)} processes besides its agent and {n.standbys} warm standby(s): "
-                       f"{others}")
+            out.append(f"node {name}: {len(others)} processes besides its agent, its worker template and "
+                       f"{n.standbys} warm standby(s): {others}")
     for name, members in sorted(after.retired.items()):
         out.append(f"retired node {name} left processes running: {members}")
     if before.controller and after.controller and \

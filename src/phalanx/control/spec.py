@@ -82,6 +82,9 @@ class InstanceGroupSpec(_Strict):
     warm_standby: bool = Field(True, description="idle nodes (spares, members no job holds) pre-start one "
                                                  "worker process per slot, torch imported, so a replacement "
                                                  "or a new job's rank starts in a fraction of a second")
+    worker_template: bool = Field(True, description="every node keeps a worker template (python -m "
+                                                    "phalanx.zygote: torch imported once) and forks its "
+                                                    "workers and standbys from it instead of starting Python")
 
     @field_validator("name")
     @classmethod

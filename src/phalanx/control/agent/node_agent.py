@@ -42,6 +42,7 @@ from phalanx.control.agent.deep_check import DeepCheckRunner
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import PRIVATE_UMASK
 from phalanx.control.agent.supervisor import WorkerSupervisor
+from phalanx.control.agent.template import WorkerTemplate
 
 log = logging.getLogger("phalanx.agent")
 TAIL_LINES = 20
@@ -96,8 +97,9 @@ class Agent:
         self._gpus = health.GpuMonitor(int(cfg["gpus"]), cfg["instance_type"])
         self.deep = DeepCheckRunner(self.work_dir)
         self.wake = threading.Event()  # heartbeat now (a worker exited, or the agent is stopping)
+        self.template = WorkerTemplate(self.name, self.work_dir) if cfg.get("worker_template", True) else None
         self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set,
-                                        work_dir=self.work_dir, store_addr=self.store_addr)
+                                        work_dir=self.work_dir, store_addr=self.store_addr, template=self.template)
         self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)
         self.controller_id: float | None = None  # start time of the controller that sent it
         self.relay_gap = True  # progress relay may have missed something: restart the hang clocks
@@ -239,6 +241,8 @@ class Agent:
             self.stop.wait(0.1)
 
     def run(self) -> int:
+        if self.template is not None:
+            self.template.start()  # imports torch now, while the node comes up, not when a worker is due
         threading.Thread(target=self.bring_up, name="bring-up", daemon=True).start()
         threading.Thread(target=self.watch_workers, name="workers", daemon=True).start()
         url, down_since = self.endpoint_url(), None

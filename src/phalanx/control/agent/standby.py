@@ -1,5 +1,6 @@
 """The agent's warm standby pool: per idle slot, a `python -m phalanx.worker --standby` process started
-ahead of time (torch imported, waiting on `protocol.standby_key`), and its adoption as a rank once the
+ahead of time (forked from the node's worker template when it has one; torch imported, warmed up, waiting on
+`protocol.standby_key`), and its adoption as a rank once the
 controller assigns that slot (the controller writes the rank's env to the store, signed; the standby starts
 at once, the assignment names it, and the supervisor adopts the process).
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from phalanx import protocol
 from phalanx.protocol.messages import Assignment, RankSlot
-from phalanx.control.agent.worker import STOP_GRACE_S, Worker, own_process_group, signal_group
+from phalanx.control.agent.worker import STOP_GRACE_S, Worker, signal_group
 
 log = logging.getLogger("phalanx.agent.workers")
 
@@ -31,7 +32,7 @@ class Standby:
 
     id: str
     local_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # (or a template's ForkedProcess: the same calls)
 
 
 class StandbyPool:
@@ -89,12 +90,12 @@ class StandbyPool:
             sid = f"{self.node}.{slot}.{os.getpid()}.{self._standby_seq}"
             env = {**os.environ, protocol.STORE_ADDR: addr, protocol.NODE: self.node, protocol.LOCAL_RANK: str(slot),
                    protocol.STANDBY_ID: sid, protocol.CLUSTER_TOKEN: self.token}
-            with open(self.work_dir / f"standby-{slot}.log", "ab") as out:
-                proc = subprocess.Popen([sys.executable, "-m", protocol.TRAIN_WORKER_MODULE, "--standby"], env=env,
-                                        cwd=self.work_dir, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, **own_process_group())
+            log_path = self.work_dir / f"standby-{slot}.log"
+            with open(log_path, "ab") as out:
+                proc, how = self._spawn([sys.executable, "-m", protocol.TRAIN_WORKER_MODULE, "--standby"], env,
+                                        self.work_dir, log_path, out)
             self.standbys[slot] = Standby(sid, slot, proc)
-            log.info("warm standby %s started (pid %d)", sid, proc.pid)
+            log.info("warm standby %s started (pid %d, %s)", sid, proc.pid, how)
 
     def standby_ids(self) -> dict[str, str]:
         with self.lock:

@@ -32,6 +32,7 @@ from phalanx import protocol
 from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.hang import judge_hang
 from phalanx.control.agent.standby import Standby, StandbyPool
+from phalanx.control.agent.template import TemplateUnavailable, WorkerTemplate
 from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
                                           signal_group)
 from phalanx.observability.events import EventKind, EventLog
@@ -42,8 +43,10 @@ log = logging.getLogger("phalanx.agent.workers")
 
 class WorkerSupervisor(StandbyPool):
     def __init__(self, node: str, token: str, hang_timeout_s: float, *, wake: Callable[[], None],
-                 work_dir: Path | None = None, store_addr: Callable[[], str | None] = lambda: None):
+                 work_dir: Path | None = None, store_addr: Callable[[], str | None] = lambda: None,
+                 template: WorkerTemplate | None = None):
         self.node = node
+        self.template = template  # the node's worker template (workers forked, torch already imported), if any
         self.token = token
         self.hang_timeout_s = hang_timeout_s
         self.wake = wake  # send a heartbeat now (an exit must reach the controller within one)
@@ -164,8 +167,7 @@ class WorkerSupervisor(StandbyPool):
                 out.write(f"=== phalanx: job {w.job} generation {w.generation} rank {rank} on node {self.node}, "
                           f"started {time.strftime('%H:%M:%S')} ===\n".encode())
                 out.flush()
-                w.proc = subprocess.Popen(a.argv, cwd=a.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT, **own_process_group())
+                w.proc, how = self._spawn(a.argv, env, a.cwd, log_path, out)
         except OSError as err:
             w.state, w.exit_code, w.ended_at = "exited", 127, time.time()
             w.detail = f"could not be started ({' '.join(a.argv)[:200]} in {a.cwd}): {err}"
@@ -174,9 +176,22 @@ class WorkerSupervisor(StandbyPool):
             self.wake()
             return w
         w.pid = w.proc.pid
-        log.info("started worker rank %d/%d of job %s generation %d (pid %d, MASTER_PORT %s, log %s)", rank,
-                 a.world_size, w.job, w.generation, w.pid, a.master_port, log_path)
+        log.info("started worker rank %d/%d of job %s generation %d (pid %d, %s, MASTER_PORT %s, log %s)", rank,
+                 a.world_size, w.job, w.generation, w.pid, how, a.master_port, log_path)
         return w
+
+    def _spawn(self, argv: list[str], env: dict, cwd, log_path: Path, out) -> tuple:
+        """(a Popen-like process, how it started): forked from the node's worker template when it can (torch
+        already imported), else a plain exec with output to `out`."""
+        if self.template is not None:
+            try:
+                return self.template.fork(argv, env, cwd, log_path), "forked from the node's worker template"
+            except TemplateUnavailable as why:
+                how = f"exec'd: {why}"
+        else:
+            how = "exec'd"
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, **own_process_group()), how
 
     def _stop(self, w: Worker, now: float) -> None:
         w.state, w.stopped, w.stop_sent_at = "stopping", True, now
@@ -279,3 +294,5 @@ class WorkerSupervisor(StandbyPool):
             with self.lock:
                 if w.state != "exited":  # (the watch thread may have seen it first)
                     self._exited(w, code)
+        if self.template is not None:
+            self.template.close()

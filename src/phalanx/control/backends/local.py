@@ -157,6 +157,7 @@ class LocalBackend:
             "cluster": self.spec.name, "node": node.name, "group": group.name,
             "instance_type": group.instance_type, "gpus": group.profile.gpus,
             "worker_slots": group.profile.worker_slots, "work_dir": str(work),
+            "worker_template": group.worker_template,
             "on_create": str(group.on_create) if group.on_create else None,
             "token_file": str(self.paths.token), "endpoint_file": str(self.paths.endpoint),
             "heartbeat_interval_s": h.heartbeat_interval_s, "check_interval_s": h.check_interval_s,

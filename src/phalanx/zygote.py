@@ -1,0 +1,148 @@
+"""A node's worker template, `python -m phalanx.zygote --for-node NAME`: one process per node, started by its
+agent, that imports torch and the training code once and then forks every worker (and warm standby) the agent
+asks for. A forked worker skips the interpreter start and the imports (3.4 s of CPU on the CI box), which is
+what a cold replacement, a restarted generation and a standby refill used to spend before their first step.
+
+The agent speaks JSON lines on the template's stdin and stdout (`control/agent/template.py` is the other
+side):
+
+    → {"id": N, "argv": [python, "-m", "phalanx.worker", ...], "env": {...}, "cwd": DIR, "log": FILE}
+    ← {"ready": true, "pid": P, "import_s": S}        once, when the imports are done
+    ← {"id": N, "pid": P} | {"id": N, "error": "..."}  the answer to each request
+    ← {"exited": P, "code": C}                         a forked worker ended (C as Popen.returncode)
+
+The child becomes what a fresh `python -m phalanx.worker` would be: its own process group, stdin from
+/dev/null, stdout and stderr appended to FILE, the working directory and the environment it was given (the
+template's own environment is dropped whole), its command line in `ps` (setproctitle) — then it runs
+`phalanx.worker.entry`, which never returns. The template itself runs no torch op and starts no thread of
+its own, so forking it is safe; it exits when its stdin closes (its agent is gone). Only modules named in
+`FORKABLE` can be forked; anything else the agent starts with a plain exec.
+
+Knows nothing about the controller; imports the worker's code but runs none of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+FORKABLE = ("phalanx.worker", "phalanx.train.worker")
+
+
+def preload() -> None:
+    """Import what a worker imports before its first step (both recovery modes, and rank 0's TensorBoard)."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401
+    import phalanx.resilience.run  # noqa: F401
+    import phalanx.train.trainer  # noqa: F401
+    import phalanx.worker  # noqa: F401
+
+
+def _send(message: dict) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(1, data):]
+
+
+def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
+    """In the forked child: turn into the worker `request` describes and run it. Never returns."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in wakeup:
+            os.close(fd)
+        os.setpgid(0, 0)  # a process group of its own: a stop reaches its children (as for a plain exec)
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        argv = request["argv"]
+        try:  # (before the environment is replaced: setproctitle may move it)
+            import setproctitle
+
+            setproctitle.setproctitle(" ".join(argv))
+        except ImportError:  # pragma: no cover - a dependency; without it `ps` shows the template's line
+            pass
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import importlib.util
+
+        from phalanx.worker import entry
+
+        sys.argv = [importlib.util.find_spec(argv[2]).origin] + argv[3:]  # as `python -m MODULE args...` leaves it
+
+        entry()
+    except BaseException:  # noqa: BLE001 - whatever went wrong goes to the worker's log, the exit says it failed
+        import traceback
+
+        traceback.print_exc()
+    os._exit(127)
+
+
+def serve() -> int:
+    started = time.perf_counter()
+    preload()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # (a handler, so the wakeup fd hears of every exit)
+    _send({"ready": True, "pid": os.getpid(), "import_s": round(time.perf_counter() - started, 3)})
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0, wake_r], [], [], 1.0)
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        while True:  # reap every child that ended and tell the agent how
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if 0 not in readable:
+            continue
+        data = os.read(0, 1 << 16)
+        if not data:
+            return 0  # the agent is gone: its workers stay (each in its own process group), as exec'd ones would
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            if line.strip():
+                _fork(json.loads(line), (wake_r, wake_w))
+
+
+def _fork(request: dict, wakeup: tuple[int, int]) -> None:
+    argv = request.get("argv") or []
+    if len(argv) < 3 or argv[1] != "-m" or argv[2] not in FORKABLE:
+        _send({"id": request.get("id"), "error": f"not a forkable worker command: {argv[:3]}"})
+        return
+    try:
+        pid = os.fork()
+    except OSError as err:
+        _send({"id": request.get("id"), "error": f"fork failed: {err}"})
+        return
+    if pid == 0:
+        _become_worker(request, wakeup)
+    _send({"id": request.get("id"), "pid": pid})
+
+
+def main() -> int:
+    if "--for-node" not in sys.argv[1:]:
+        print("usage: python -m phalanx.zygote --for-node NAME (started by a node agent, which speaks to it on "
+              "stdin/stdout)", file=sys.stderr)
+        return 2
+    return serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
