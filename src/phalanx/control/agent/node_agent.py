@@ -114,6 +114,10 @@ class Agent:
             self._set(phase="health-checking")
             self.run_checks(first=True)
             self._set(phase="ready")
+            if self.template is not None and not self.stop.is_set():
+                # torch imported now, long before a replacement is due on this node; not earlier: the import
+                # would compete with the lifecycle script and the timed deep health check for the cores
+                self.template.start()
             while not self.stop.is_set():
                 self.wake_checks.wait(float(self.cfg["check_interval_s"]))
                 self.wake_checks.clear()
@@ -241,8 +245,6 @@ class Agent:
             self.stop.wait(0.1)
 
     def run(self) -> int:
-        if self.template is not None:
-            self.template.start()  # imports torch now, while the node comes up, not when a worker is due
         threading.Thread(target=self.bring_up, name="bring-up", daemon=True).start()
         threading.Thread(target=self.watch_workers, name="workers", daemon=True).start()
         url, down_since = self.endpoint_url(), None

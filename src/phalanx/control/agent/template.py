@@ -82,7 +82,8 @@ class WorkerTemplate:
         self.proc: subprocess.Popen | None = None
         self.ready = False
         self.starts = 0
-        self.lock = threading.Lock()  # one request at a time on the pipe
+        self.closed = False  # the agent is exiting: no new template
+        self.lock = threading.Lock()  # one start, one request at a time on the pipe
         self.cond = threading.Condition()
         self.replies: dict[int, dict] = {}
         self.exits: dict[int, int] = {}
@@ -90,16 +91,17 @@ class WorkerTemplate:
 
     # ---- life -------------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.starts >= MAX_STARTS or (self.proc is not None and self.proc.poll() is None):
-            return
-        self.starts += 1
-        self.ready = False
-        with open(self.work_dir / "template.log", "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", TEMPLATE_MODULE, "--for-node", self.node],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         cwd=self.work_dir, bufsize=0)
-        threading.Thread(target=self._read, args=(self.proc,), name="template", daemon=True).start()
-        log.info("worker template started (pid %d): torch imported once, workers forked from it", self.proc.pid)
+        with self.lock:
+            if self.closed or self.starts >= MAX_STARTS or (self.proc is not None and self.proc.poll() is None):
+                return
+            self.starts += 1
+            self.ready = False
+            with open(self.work_dir / "template.log", "ab") as err:
+                self.proc = subprocess.Popen([sys.executable, "-m", TEMPLATE_MODULE, "--for-node", self.node],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                             cwd=self.work_dir, bufsize=0)
+            threading.Thread(target=self._read, args=(self.proc,), name="template", daemon=True).start()
+            log.info("worker template started (pid %d): torch imported once, workers forked from it", self.proc.pid)
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -129,7 +131,8 @@ class WorkerTemplate:
 
     def close(self) -> None:
         """The agent is exiting: end the template (its stdin closes; SIGKILL after 2 s)."""
-        proc, self.proc = self.proc, None
+        with self.lock:
+            proc, self.proc, self.closed = self.proc, None, True
         if proc is None:
             return
         proc.closing = True
@@ -148,7 +151,7 @@ class WorkerTemplate:
             raise TemplateUnavailable(f"not a training worker command: {' '.join(argv[:3])}")
         proc = self.proc
         if proc is None or proc.poll() is not None:
-            self.start()
+            self.start()  # (a template that died; none before the node's bring-up started one)
             raise TemplateUnavailable("the worker template is starting")
         if not self.ready:
             raise TemplateUnavailable("the worker template is still importing torch")
