@@ -114,10 +114,6 @@ class Agent:
             self._set(phase="health-checking")
             self.run_checks(first=True)
             self._set(phase="ready")
-            if self.template is not None and not self.stop.is_set():
-                # torch imported now, long before a replacement is due on this node; not earlier: the import
-                # would compete with the lifecycle script and the timed deep health check for the cores
-                self.template.start()
             while not self.stop.is_set():
                 self.wake_checks.wait(float(self.cfg["check_interval_s"]))
                 self.wake_checks.clear()
@@ -219,6 +215,10 @@ class Agent:
         gap = self.relay_gap or reply.controller != self.controller_id
         self.relay_gap, self.controller_id = False, reply.controller
         if reply.action != "terminate":
+            if self.template is not None and reply.state == "healthy":
+                # torch imported now, long before a replacement is due here; not earlier: the import would compete
+                # with the lifecycle script and the timed deep health check for the cores (no-op once it runs)
+                self.template.start()
             self.workers.apply(reply.workers, relay_gap=gap, standby=reply.standby)
             self.deep.apply(reply.deep_check)
         self.workers.acknowledged(body["workers"])
