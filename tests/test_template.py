@@ -14,21 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from clusters import wait_for
 from phalanx import protocol
 from phalanx.control.agent.template import ForkedProcess, TemplateUnavailable, WorkerTemplate
 from phalanx.control.backends.local import argv as process_argv
 
 WORKER = [sys.executable, "-m", protocol.TRAIN_WORKER_MODULE]
-
-
-def wait_until(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def text(path: Path) -> str:
@@ -38,7 +29,7 @@ def text(path: Path) -> str:
 def ready_template(work: Path) -> WorkerTemplate:
     template = WorkerTemplate("n1", work)
     template.start()
-    wait_until(lambda: template.ready, 120, "the template to import torch")
+    wait_for(lambda: template.ready, 120, "the template to import torch")
     return template
 
 
@@ -66,7 +57,7 @@ def test_a_forked_worker_runs_like_a_fresh_one_and_its_exit_reaches_the_agent(tm
         assert f"config file {tmp_path / 'missing.yaml'} does not exist" in (tmp_path / "bad.log").read_text()
 
         sb = standby(template, tmp_path, "sb-1")
-        wait_until(lambda: "standby for standby/sb-1: warm" in text(tmp_path / "sb-1.log"), 60,
+        wait_for(lambda: "standby for standby/sb-1: warm" in text(tmp_path / "sb-1.log"), 60,
                    "the standby to say it is warm (its env is the one it was given)")
         assert sb.poll() is None
         assert os.getpgid(sb.pid) == sb.pid, "a process group of its own"
@@ -88,7 +79,7 @@ def test_a_dead_template_leaves_its_workers_watched_and_the_next_fork_starts_ano
         sb = standby(template, tmp_path, "sb-2")
         first = template.proc
         os.kill(first.pid, signal.SIGKILL)
-        wait_until(lambda: getattr(first, "drained", False), 10, "the agent to see the template gone")
+        wait_for(lambda: getattr(first, "drained", False), 10, "the agent to see the template gone")
         assert sb.poll() is None, "its worker runs on without it"
         os.kill(sb.pid, signal.SIGKILL)
         assert sb.wait(timeout=10) == -signal.SIGKILL  # (reaped by init: the code is SIGKILL's, said so)
@@ -96,7 +87,7 @@ def test_a_dead_template_leaves_its_workers_watched_and_the_next_fork_starts_ano
         with pytest.raises(TemplateUnavailable, match="starting"):
             standby(template, tmp_path, "sb-3")
         assert template.starts == 2 and template.proc is not first
-        wait_until(lambda: template.ready, 120, "the new template to import torch")
+        wait_for(lambda: template.ready, 120, "the new template to import torch")
         again = standby(template, tmp_path, "sb-4")
         assert again.poll() is None
         os.kill(again.pid, signal.SIGTERM)

@@ -10,7 +10,7 @@ template's exit reports. If the template dies, its workers that are still runnin
 /proc); one that is gone without a report counts as killed (SIGKILL), and the next `fork()` starts a new
 template (at most `MAX_STARTS` in the agent's life).
 
-Standard library only. Must not know: torch, scheduling policy.
+Standard library only (and `phalanx.zygote`'s constants). Must not know: torch, scheduling policy.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import threading
 import time
 from pathlib import Path
 
+from phalanx.zygote import FORKABLE  # (its module level is the standard library: torch loads only in `preload`)
+
 log = logging.getLogger("phalanx.agent.template")
 
 TEMPLATE_MODULE = "phalanx.zygote"
-FORKABLE = ("phalanx.worker", "phalanx.train.worker")  # (phalanx.zygote.FORKABLE; not imported: it is torch's side)
 FORK_TIMEOUT_S = 5.0
 MAX_STARTS = 3
 
