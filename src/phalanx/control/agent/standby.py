@@ -83,6 +83,8 @@ class StandbyPool:
         addr = self.store_addr()
         if self.work_dir is None or not addr:
             return
+        if self.template is not None and self.template.coming():
+            return  # forked once the node's template has imported torch (one import per node, not two at once)
         for slot in range(wanted):
             if slot in self.standbys:
                 continue

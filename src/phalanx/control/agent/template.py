@@ -144,6 +144,12 @@ class WorkerTemplate:
             proc.kill()
             proc.wait()
 
+    def coming(self) -> bool:
+        """Not ready, but importing (or to be started again): a warm standby can wait for it rather than import
+        torch a second time in a process of its own."""
+        alive = self.proc is not None and self.proc.poll() is None
+        return not self.ready and not self.closed and (alive or self.starts < MAX_STARTS)
+
     # ---- forking ----------------------------------------------------------------------------------------
     def fork(self, argv: list[str], env: dict[str, str], cwd: str | Path, log_path: Path) -> ForkedProcess:
         """Fork a worker running `argv` (which must be `forkable`) with exactly `env`, in `cwd`, output appended
