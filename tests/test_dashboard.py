@@ -186,6 +186,8 @@ def page(driver, script: str):
 NODES = "return [...document.querySelectorAll('[data-node]')].map(e => [e.dataset.node, e.dataset.state, e.dataset.role])"
 TIMELINE = ("return [...document.querySelectorAll('#timeline tr[data-kind]')]"
             ".map(e => [e.dataset.kind, e.dataset.generation, Number(e.dataset.seconds)])")
+STATUS = ("return [document.getElementById('updated').textContent, document.getElementById('job').hidden, "
+          "document.getElementById('job-title').textContent]")
 SHOWN = "return [document.getElementById('signin').offsetParent !== null, document.getElementById('app').offsetParent !== null]"
 
 
@@ -223,8 +225,13 @@ def test_the_dashboard_in_chromium_shows_a_killed_node_and_the_jobs_recovery(tmp
             10, "the node grid: two members and the spare, healthy")
         # the job trains: its curve has points; once a checkpoint is committed, rank 1's node is killed
         wait_for(lambda: (i := jobs.describe(job))["last_step"] is not None and i["last_step"] >= 5, 90, "step 5")
-        wait_for(lambda: page(driver, "return Number(document.getElementById('chart-loss').dataset.points)") > 0,
-                 10, "the loss curve")
+        # (the chart has no point count until the job's first dashboard reply is drawn: NaN, read as None)
+        points = "return Number(document.getElementById('chart-loss').dataset.points)"
+        try:
+            wait_for(lambda: (page(driver, points) or 0) > 0, 30, "the loss curve")
+        except AssertionError as err:
+            save_screenshot(driver, "dashboard-failed.png")
+            raise AssertionError(f"{err}; page: {page(driver, STATUS)}; job: {jobs.describe(job)['last_step']}") from None
         victim = jobs.describe(job)["generations"][0]["nodes"][1]
         client.inject_fault(victim, "kill-node")
         wait_for(lambda: dict((n[0], n[1:]) for n in page(driver, NODES)).get(victim, [""])[0]

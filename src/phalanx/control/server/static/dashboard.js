@@ -5,6 +5,7 @@
 
 const TOKEN_KEY = "phalanx-token";
 const POLL_MS = 1000;
+const FETCH_TIMEOUT_MS = 10000;
 const SVG = "http://www.w3.org/2000/svg";
 const CATEGORY_COLORS = {
   productive: "#2e9d5b", replayed: "#b8d98a", initialization: "#6c8ebf", checkpoint_save: "#9b7fd1",
@@ -51,7 +52,9 @@ class Unauthorized extends Error {}
 
 async function api(path) {
   const token = sessionStorage.getItem(TOKEN_KEY);
-  const r = await fetch(path, { headers: { Authorization: `Bearer ${token}` }, cache: "no-store" });
+  // a reply that never comes must not stop the polling: give up after FETCH_TIMEOUT_MS and poll again
+  const r = await fetch(path, { headers: { Authorization: `Bearer ${token}` }, cache: "no-store",
+    signal: AbortSignal.timeout(FETCH_TIMEOUT_MS) });
   if (r.status === 401) throw new Unauthorized("the controller refused the token");
   if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
   return r.json();
