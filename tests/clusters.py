@@ -26,7 +26,7 @@ def home(tmp_path, monkeypatch):
     for name in list_clusters():
         paths = ClusterPaths.for_name(name)
         store = Store(paths.db)
-        sessions.update(int(n.handle) for n in store.nodes() if n.handle)  # local backend: the agent's pid
+        sessions.update(int(n.handle) for n in store.nodes() if n.handle and n.handle.isdigit())  # local: a pid
         workers.update(r["pid"] for r in store.execute("SELECT pid FROM workers") if r["pid"])
         store.close()
         for log in [paths.controller_log, *paths.root.glob("nodes/*/agent.log")]:

@@ -155,3 +155,40 @@ def test_a_state_db_from_before_node_handles_keeps_its_agents(tmp_path):
         assert store.node("workers-0").handle == "4242"
     finally:
         store.close()
+
+
+# ---- the hosts backend: agents join from other hosts, so it starts and signals nothing itself --------------
+def test_the_hosts_backend_learns_each_node_from_its_agent_and_starts_nothing(tmp_path):
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 1}
+    spec = spec_from_dict({"name": "c1", "backend": "hosts", "api": {"host": "198.18.0.2"},
+                           "instance_groups": [group], "health": {"heartbeat_timeout_s": 1.0, "heartbeat_interval_s": 0.2}})
+    paths = ClusterPaths(tmp_path / "c1")
+    paths.root.mkdir(mode=0o700)
+    store = Store(paths.db)
+    store.initialize(spec)
+    backend = make_backend(spec, paths, store)
+    assert isinstance(backend, Backend) and backend.faults_through_agent
+    node = store.add_node("workers", is_spare=False, work_root=backend.work_root(), reason="test")
+    assert backend.launch(node) is None  # nothing started: the node waits for an agent to join it
+    assert store.claim_node("workers", "hostA:41", "/w") .name == node.name
+    assert store.claim_node("workers", "hostB:42", "/w") is None, "a node is claimed once"
+    with pytest.raises(RuntimeError, match="has not reported its address"):
+        backend.node_host(store.node(node.name))
+    store.update_node(node.name, report={"address": "198.18.0.11", "ifname": "eth0", "free_ports": [40001, 40002]},
+                      last_heartbeat=time.time())
+    node = store.node(node.name)
+    assert node.work_dir == "/w/c1/workers-0" and node.handle == "hostA:41"
+    assert backend.node_host(node) == "198.18.0.11"
+    assert [backend.free_port(node), backend.free_port(node)] == [40001, 40002], "never the same port twice in a row"
+    assert backend.gone(node) is None and backend.kill(node) == [] and backend.teardown([node], 1.0) == 0
+    backend.terminate(node)  # remembered: the agent's next heartbeat reply says terminate
+    assert backend.gone(node) is None
+    store.update_node(node.name, last_heartbeat=time.time() + 0.01)
+    assert "told to terminate" in backend.gone(node)
+    store.close()
+
+
+def test_backend_hosts_needs_an_address_other_hosts_reach():
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 1}
+    with pytest.raises(SpecError, match="api.host: '0.0.0.0' is every address"):
+        spec_from_dict({"name": "c1", "backend": "hosts", "api": {"host": "0.0.0.0"}, "instance_groups": [group]})

@@ -22,6 +22,32 @@ app.command("observe")(observe)
 err_console = Console(stderr=True, highlight=False)
 
 
+@app.command("agent")
+def agent(
+    controller: str = typer.Option(..., "--controller", help="the controller's API URL (`phalanx cluster describe`)"),
+    token_file: Path = typer.Option(..., "--token-file", exists=True, dir_okay=False,
+                                    help="a copy of the cluster's token file"),
+    group: str = typer.Option(..., "--group", help="the instance group this host joins"),
+    name: Optional[str] = typer.Option(None, "--name", help="a particular waiting node (default: the group's first)"),
+    work_root: Path = typer.Option(Path("~/.phalanx/agents"), "--work-root", help="node work dirs go under it"),
+    address: Optional[str] = typer.Option(None, "--address", help="the address peers reach this host at (default: "
+                                                                 "the source address of the route to the controller)"),
+    ifname: Optional[str] = typer.Option(None, "--ifname", help="the interface gloo/NCCL use (default: the one "
+                                                               "holding --address)"),
+) -> None:
+    """Run this host as a node of a cluster whose nodes join from their hosts (`backend: hosts`): claims a
+    waiting node of GROUP, then heartbeats, runs its lifecycle script, health checks and workers until the
+    controller says terminate."""
+    from phalanx.control.agent.node_agent import main as agent_main
+
+    argv = ["--join", controller, "--token-file", str(token_file), "--group", group,
+            "--work-root", str(work_root.expanduser())]
+    for flag, value in (("--name", name), ("--address", address), ("--ifname", ifname)):
+        if value:
+            argv += [flag, value]
+    raise typer.Exit(agent_main(argv))
+
+
 @app.command(context_settings={"allow_extra_args": False})
 def train(
     config: Path = typer.Argument(..., help="training config YAML (see recipes/)"),

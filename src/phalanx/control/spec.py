@@ -1,7 +1,8 @@
 """The cluster spec: one typed, validated YAML/JSON file, modelled on HyperPod's CreateCluster request.
 
     name: demo
-    backend: local                  # `slurm` is accepted here but refused at create (not yet implemented)
+    backend: local                  # local: agents on this machine; hosts: agents join from other hosts
+                                    # (`phalanx agent --controller URL ...`); `slurm` is refused at create
     node_recovery: automatic        # automatic: replace faulty nodes (from spares); none: leave them faulty
     instance_groups:
       - name: workers
@@ -135,13 +136,14 @@ class HealthSpec(_Strict):
 
 
 class ApiSpec(_Strict):
-    host: str = Field("127.0.0.1", description="listen address; loopback by default")
+    host: str = Field("127.0.0.1", description="listen address; loopback by default (backend hosts: the address "
+                                               "the agents' hosts reach the controller and its store at)")
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
 
 
 class ClusterSpec(_Strict):
     name: str
-    backend: Literal["local", "slurm"] = "local"
+    backend: Literal["local", "hosts", "slurm"] = "local"
     node_recovery: Literal["automatic", "none"] = "automatic"
     instance_groups: list[InstanceGroupSpec] = Field(..., min_length=1)
     health: HealthSpec = HealthSpec()
@@ -161,6 +163,14 @@ class ClusterSpec(_Strict):
         if dupes:
             raise ValueError(f"instance_groups: group names must be unique; repeated: {', '.join(dupes)} "
                              f"(rename one)")
+        return self
+
+    @model_validator(mode="after")
+    def _hosts_reach_the_controller(self) -> ClusterSpec:
+        if self.backend == "hosts" and self.api.host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"api.host: {self.api.host!r} is every address; backend hosts hands the controller's "
+                             f"address to agents and workers on other hosts (the API and the rendezvous store "
+                             f"listen there): set the address those hosts reach this machine at")
         return self
 
     @model_validator(mode="after")
@@ -268,9 +278,24 @@ def load_spec(path: Path | str) -> ClusterSpec:
     return spec_from_dict(tree, source=str(path), base_dir=path.parent)
 
 
+def agent_settings(spec: ClusterSpec, group: str) -> dict:
+    """What an agent of `group` runs by: its node's profile, whether it keeps a worker template, and the
+    spec's heartbeat and health settings (agent.json for the local backend, the join reply for the hosts one)."""
+    g, h = spec.group(group), spec.health
+    return {
+        "cluster": spec.name, "group": g.name, "instance_type": g.instance_type, "gpus": g.profile.gpus,
+        "worker_slots": g.profile.worker_slots, "worker_template": g.worker_template,
+        "heartbeat_interval_s": h.heartbeat_interval_s, "check_interval_s": h.check_interval_s,
+        "hang_timeout_s": h.hang_timeout_s, "deep_health_check": h.deep_health_check,
+        "min_free_disk_mb": h.min_free_disk_mb, "min_free_memory_mb": h.min_free_memory_mb,
+        "lifecycle_timeout_s": h.lifecycle_timeout_s,
+    }
+
+
 def check_backend_supported(spec: ClusterSpec) -> None:
-    if spec.backend != "local":
+    if spec.backend not in ("local", "hosts"):
         raise SpecError(
             f"backend {spec.backend!r} is not yet implemented; use `backend: local` (each node is an agent "
-            f"process on this machine). The Slurm backend arrives in a later milestone."
+            f"process on this machine) or `backend: hosts` (agents join from other hosts with `phalanx agent "
+            f"--controller URL --token-file F --group G`). The Slurm backend arrives in a later milestone."
         )

@@ -33,6 +33,7 @@ class EventKind(str, Enum):
     CONTROLLER = "controller"  # started, restarted, stopped
     TRANSITION = "transition"  # a node's state changed
     PROMOTED = "promoted"  # a spare became a member of its group
+    JOINED = "joined"  # an agent on another host joined as a waiting node (backend hosts)
     WAITING = "waiting"  # a group or job waits for capacity
     FAULT_INJECTED = "fault-injected"  # `phalanx fault inject`
     # jobs (controller)

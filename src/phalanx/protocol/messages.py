@@ -55,6 +55,36 @@ class Heartbeat(_Message):
     reply_sent_at: float | None = None  # the last reply the agent acted on
     deep_check: dict | None = None  # the result of the newest deep-check round the node took part in
     standbys: dict[str, str] = {}  # local rank → id of the warm standby worker waiting on that slot
+    address: str | None = None  # where this node's workers are reached (MASTER_ADDR when it hosts rank 0)
+    ifname: str | None = None  # the interface holding `address` (the workers' GLOO/NCCL_SOCKET_IFNAME)
+    free_ports: list[int] = []  # TCP ports free on this node just now (a generation's MASTER_PORT)
+
+
+class JoinRequest(_Message):
+    """Agent → controller, once: an agent started on some host (by a lifecycle script, `srun`, by hand) asks to
+    be one of the nodes of `group` that wait for an agent (`phalanx agent --controller URL ...`)."""
+
+    protocol: int | None = None
+    group: str
+    name: str | None = None  # a particular waiting node (default: the first of the group)
+    handle: str  # who this agent is (host and pid); every heartbeat repeats it
+    address: str
+    ifname: str | None = None
+    work_dir: str  # on the agent's host
+    hostname: str
+
+
+class JoinReply(_Message):
+    """Controller → a joining agent: which node it is and how to run it (what `agent.json` holds for an agent the
+    local backend starts), with the lifecycle script's text: nothing is read from the controller's disk."""
+
+    protocol: int = PROTOCOL_VERSION
+    node: str
+    cluster: str
+    config: dict  # agent settings: group, instance_type, gpus, worker_slots, heartbeat and health settings
+    store_addr: str  # host:port of the controller's rendezvous store
+    on_create: str | None = None  # the lifecycle script's text
+    on_create_name: str | None = None
 
 
 class RankSlot(_Message):

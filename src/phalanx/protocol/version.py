@@ -7,7 +7,8 @@ Bump it when a message, env variable or store key changes meaning (adding an opt
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 2  # 2: a heartbeat names its node by an opaque `handle`, no longer by `pid`
+PROTOCOL_VERSION = 3  # 2: a heartbeat names its node by an opaque `handle`, no longer by `pid`; 3: agents join
+# from other hosts (`JoinRequest`) and report their address, interface and free ports
 PROTOCOL_ENV = "PHALANX_PROTOCOL"
 
 

@@ -28,7 +28,10 @@ way to a newer generation, but not every wait is a store wait. Gloo connecting t
 writing its address blocks in C++ for the group's timeout (minutes); the peers, gone on to the next
 generation, would wait for this rank in vain. A rank still forming its generation `stuck_grace_s` after a
 newer one appeared logs where it is stuck and exits with `protocol.EXIT_STUCK`: the controller gives its rank
-to a fresh process, as for a killed one.
+to a fresh process, as for a killed one. Likewise a rank told to leave the generation it trains that does not
+reach its step boundary within max(`stuck_grace_s`, 3 × its longest recent step): it is blocked in a
+collective with a peer that stopped without dying (a frozen host keeps its sockets open; gloo would wait out
+the group's timeout, minutes).
 
 Knows nothing about models or training state; `RegroupStore`'s generation check is a callable.
 """
@@ -99,6 +102,8 @@ class Membership:
         self._watching = -1  # the generation this rank trains in (-1: none)
         self._forming: int | None = None  # the generation this rank is forming (joining, restoring), if any
         self._newer_since: float | None = None  # when a generation newer than the forming one was first seen
+        self._superseded_at: float | None = None  # when the generation this rank trains was superseded
+        self._step_s = 0.0  # the longest recent step (decaying): how long the step in flight may still take
         self._watch_lock = threading.Lock()
 
     @classmethod
@@ -214,13 +219,18 @@ class Membership:
         """`generation` formed and trains: set `superseded` as soon as a newer generation is published."""
         self.superseded.clear()
         with self._watch_lock:
-            self._watching, self._forming = generation, None
+            self._watching, self._forming, self._superseded_at = generation, None, None
         self._start_thread()
 
     def unwatch(self) -> None:
         """This rank left its generation: nothing trains, so a newer generation is expected, not news."""
         with self._watch_lock:
-            self._forming, self._watching = None, -1
+            self._forming, self._watching, self._superseded_at = None, -1, None
+
+    def step_done(self, seconds: float | None) -> None:
+        """A step of the generation this rank trains ended after `seconds`."""
+        if seconds is not None:
+            self._step_s = max(0.9 * self._step_s, float(seconds))
 
     def _start_thread(self) -> None:
         with self._watch_lock:
@@ -245,8 +255,33 @@ class Membership:
             if current >= 0 and newest > current and not self.superseded.is_set():
                 log.warning("generation %d published while generation %d trains; next: leave it at the next step "
                             "boundary and regroup", newest, current)
+                with self._watch_lock:
+                    self._superseded_at = time.monotonic()
                 self.superseded.set()
+            with self._watch_lock:
+                self._check_training(newest)
             time.sleep(0.05)
+
+    def _check_training(self, newest: int) -> None:
+        """(Under the lock.) Exit if this rank was told to leave the generation it trains and has not reached
+        its step boundary within max(stuck_grace_s, 3 × its longest recent step)."""
+        if self._superseded_at is None or self._watching < 0:
+            return
+        waited, grace = time.monotonic() - self._superseded_at, max(self.stuck_grace_s, 3 * self._step_s)
+        if waited < grace:
+            return
+        self._exit_stuck(f"still training generation {self._watching} {waited:.0f} s after generation {newest} was "
+                         f"published (a step takes up to {self._step_s:.1f} s): the main thread is blocked in a "
+                         f"collective with a peer that stopped without dying (a frozen host?)")
+
+    def _exit_stuck(self, what: str) -> None:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(unknown)\n"
+        log.error("%s, at:\n%snext: exit with code %d (the controller gives this rank to a fresh process)", what,
+                  where, protocol.EXIT_STUCK)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(protocol.EXIT_STUCK)
 
     def _check_forming(self, newest: int) -> None:
         """(Under the lock, so the main thread cannot finish forming in between.) Exit if this rank has been
@@ -258,15 +293,9 @@ class Membership:
         self._newer_since = self._newer_since or now
         if now - self._newer_since < self.stuck_grace_s:
             return
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(unknown)\n"
-        log.error("still forming generation %d %.0f s after generation %d was published: the main thread is "
-                  "blocked where it cannot notice (a peer that died while the groups formed?), at:\n%s"
-                  "next: exit with code %d (the controller gives this rank to a fresh process)",
-                  self._forming, now - self._newer_since, newest, where, protocol.EXIT_STUCK)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(protocol.EXIT_STUCK)
+        self._exit_stuck(f"still forming generation {self._forming} {now - self._newer_since:.0f} s after "
+                         f"generation {newest} was published: the main thread is blocked where it cannot notice "
+                         f"(a peer that died while the groups formed?)")
 
 
 # ---- the store a generation's process groups rendezvous on -------------------------------------------------

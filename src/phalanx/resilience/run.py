@@ -215,6 +215,7 @@ class CheckpointlessRun:
             if self.membership.superseded.is_set():
                 raise Superseded(generation, self.membership.latest())
             record = trainer.advance()
+            self.membership.step_done(record.get("step_time_s"))
             if self.reporter is not None:
                 self.reporter.report(record["step"], record.get("compute_time_s"))
             if self.snapshots is not None:

@@ -39,6 +39,7 @@ from phalanx.control.agent import health
 from phalanx.protocol import NODE_HANDLE, PROTOCOL_VERSION, ProtocolMismatch, check_version
 from phalanx.protocol.messages import HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
+from phalanx.control.agent.join import act_on, free_ports, join
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import PRIVATE_UMASK
 from phalanx.control.agent.supervisor import WorkerSupervisor
@@ -79,10 +80,13 @@ class Agent:
     def __init__(self, cfg: dict):
         self.cfg = cfg
         self.name: str = cfg["node"]
-        self.handle = os.environ.get(NODE_HANDLE) or str(os.getpid())  # who the controller knows as this node
+        # who the controller knows as this node: the handle it joined with (backend hosts), its backend's, its pid
+        self.handle = cfg.get("handle") or os.environ.get(NODE_HANDLE) or str(os.getpid())
         self.work_dir = Path(cfg["work_dir"])
         self.token = Path(cfg["token_file"]).read_text().strip()
-        self.endpoint_file = Path(cfg["endpoint_file"])
+        self.endpoint_file = Path(cfg["endpoint_file"]) if cfg.get("endpoint_file") else None
+        self.controller_url = cfg.get("controller_url")  # an agent that joined from another host (no endpoint file)
+        self.address, self.ifname = cfg.get("address"), cfg.get("ifname")
         self.interval = float(cfg["heartbeat_interval_s"])
         self.stop = threading.Event()
         self.wake_checks = threading.Event()
@@ -189,6 +193,8 @@ class Agent:
 
     # ---- heartbeats (the main thread) ---------------------------------------------------------------
     def endpoint_url(self) -> str | None:
+        if self.controller_url:
+            return self.controller_url
         try:
             ep = json.loads(self.endpoint_file.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
@@ -197,6 +203,8 @@ class Agent:
 
     def store_addr(self) -> str | None:
         """host:port of the controller's store (warm standbys wait on it)."""
+        if self.cfg.get("store_addr"):
+            return self.cfg["store_addr"]
         try:
             ep = json.loads(self.endpoint_file.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
@@ -207,7 +215,9 @@ class Agent:
         with self.lock:
             return {"protocol": PROTOCOL_VERSION, "handle": self.handle, "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
                     "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at,
-                    "deep_check": self.deep.result(), "standbys": self.workers.standby_ids()}
+                    "deep_check": self.deep.result(), "standbys": self.workers.standby_ids(),
+                    **({"address": self.address, "ifname": self.ifname, "free_ports": free_ports(self.address)}
+                       if self.address else {})}
 
     def handle_reply(self, reply: dict, body: dict) -> None:
         check_version(reply.get("protocol"), "the controller")
@@ -224,6 +234,8 @@ class Agent:
         self.workers.acknowledged(body["workers"])
         self.reply_sent_at = reply.sent_at
         for fault in reply.faults:
+            if act_on(fault):  # kill-node, freeze-node, a worker signal: the controller cannot reach this host
+                continue
             log.warning("fault injected by operator: %s; the next health check reports it", fault)
             with self.lock:
                 if fault.startswith("xid:"):
@@ -302,9 +314,37 @@ class Agent:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Phalanx node agent")
-    parser.add_argument("--config", required=True, type=Path, help="agent.json written by the backend")
+    parser.add_argument("--config", type=Path, help="agent.json written by the backend")
+    parser.add_argument("--join", metavar="URL", help="join the cluster whose controller's API is at URL (backend "
+                                                      "hosts): the node is named by the controller")
+    parser.add_argument("--token-file", type=Path, help="with --join: the cluster's token")
+    parser.add_argument("--group", help="with --join: the instance group to join")
+    parser.add_argument("--name", help="with --join: a particular waiting node of the group")
+    parser.add_argument("--work-root", type=Path, default=Path("~/.phalanx/agents").expanduser(),
+                        help="with --join: node work dirs go under WORK_ROOT/<cluster>/<node>")
+    parser.add_argument("--address", help="with --join: the address peers reach this host at (default: the "
+                                          "source address of the route to the controller)")
+    parser.add_argument("--ifname", help="with --join: the interface for gloo/NCCL (default: the one holding "
+                                         "--address)")
     args = parser.parse_args(argv)
     os.umask(PRIVATE_UMASK)  # its files, its lifecycle script's and its workers' are this user's only
+    if args.join:
+        if not (args.token_file and args.group):
+            parser.error("--join needs --token-file and --group")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s: %(message)s")
+        try:
+            args.config = join(args.join, args.token_file, args.group, name=args.name, work_root=args.work_root,
+                               address=args.address, ifname=args.ifname)
+        except (OSError, ApiError, ControllerUnreachable, ProtocolMismatch, ValueError) as err:
+            print(f"error: could not join the cluster at {args.join}: {err}", file=sys.stderr)
+            return 2
+        if args.ifname or not os.environ.get("GLOO_SOCKET_IFNAME"):
+            ifname = json.loads(args.config.read_text()).get("ifname")
+            if ifname:  # the workers' collectives use the interface peers reach this host on
+                os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = ifname
+        logging.getLogger().handlers.clear()
+    elif not args.config:
+        parser.error("give --config (an agent its backend started) or --join URL (an agent joining from its host)")
     cfg = json.loads(args.config.read_text())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent {cfg['node']} %(levelname)s: %(message)s")
     agent = Agent(cfg)

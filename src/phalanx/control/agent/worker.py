@@ -21,8 +21,8 @@ STOP_GRACE_S = 3.0
 
 def describe_exit(code: int) -> str:
     if code == protocol.EXIT_STUCK:
-        return (f"exited with code {code} (stuck in a generation's process-group creation after a newer one was "
-                "published; a fresh process takes its rank)")
+        return (f"exited with code {code} (stuck in a generation's process-group creation, or in a collective with "
+                "a frozen peer, after a newer one was published; a fresh process takes its rank)")
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 

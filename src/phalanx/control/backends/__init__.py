@@ -1,4 +1,5 @@
-"""Backends: where nodes come from. `make_backend(spec, paths)` picks the one a cluster spec names; policy
+"""Backends: where nodes come from (`local.py`: agents on this machine; `hosts.py`: agents that join from
+other hosts). `make_backend(spec, paths)` picks the one a cluster spec names; policy
 only ever holds a `Backend` (base.py)."""
 
 from __future__ import annotations
@@ -6,11 +7,16 @@ from __future__ import annotations
 from phalanx.control.backends.base import Backend
 
 
-def make_backend(spec, paths) -> Backend:
-    """The backend of `spec.backend` for the cluster at `paths`; SpecError for one not built yet."""
+def make_backend(spec, paths, store=None) -> Backend:
+    """The backend of `spec.backend` for the cluster at `paths` (`store`: the controller's, which the hosts
+    backend reads its agents' reports from); SpecError for one not built yet."""
     from phalanx.control.spec import check_backend_supported
 
     check_backend_supported(spec)
+    if spec.backend == "hosts":
+        from phalanx.control.backends.hosts import HostsBackend
+
+        return HostsBackend(paths, spec, store)
     from phalanx.control.backends.local import LocalBackend
 
     return LocalBackend(paths, spec)

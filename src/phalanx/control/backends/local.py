@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from phalanx.control.state.paths import PRIVATE_UMASK, ClusterPaths, open_private_log
-from phalanx.control.spec import ClusterSpec
+from phalanx.control.spec import ClusterSpec, agent_settings
 from phalanx.control.state.store import Node
 from phalanx.control.agent.worker import describe_exit
 
@@ -152,18 +152,10 @@ class LocalBackend:
         group = self.spec.group(node.group)
         work = Path(node.work_dir)
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
-        h = self.spec.health
         cfg = {
-            "cluster": self.spec.name, "node": node.name, "group": group.name,
-            "instance_type": group.instance_type, "gpus": group.profile.gpus,
-            "worker_slots": group.profile.worker_slots, "work_dir": str(work),
-            "worker_template": group.worker_template,
+            **agent_settings(self.spec, node.group), "node": node.name, "work_dir": str(work),
             "on_create": str(group.on_create) if group.on_create else None,
             "token_file": str(self.paths.token), "endpoint_file": str(self.paths.endpoint),
-            "heartbeat_interval_s": h.heartbeat_interval_s, "check_interval_s": h.check_interval_s,
-            "hang_timeout_s": h.hang_timeout_s, "deep_health_check": h.deep_health_check,
-            "min_free_disk_mb": h.min_free_disk_mb, "min_free_memory_mb": h.min_free_memory_mb,
-            "lifecycle_timeout_s": h.lifecycle_timeout_s,
         }
         config_path = self.agent_config_path(node)
         config_path.write_text(json.dumps(cfg, indent=2))

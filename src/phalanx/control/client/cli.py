@@ -107,9 +107,15 @@ def create(
 ) -> None:
     """Start the controller and the nodes; return when the cluster is in service."""
     from phalanx.control.client.cluster import create_cluster
+    from phalanx.control.state.paths import ClusterPaths
 
     def show(info: dict) -> None:
         out.print(f"cluster {info['name']}: {info['status']}")
+        if info["backend"] == "hosts" and info["status"] == "creating":
+            for g in info["groups"]:  # the nodes wait for agents started on their hosts
+                out.print(f"waiting for {g['count'] + g['spares']} agents of group {g['name']}; on each host "
+                          f"(with a copy of the token file):\n  phalanx agent --controller {info['controller']['api']} "
+                          f"--token-file {ClusterPaths.for_name(info['name']).token} --group {g['name']}", soft_wrap=True)
 
     # CreateFailed (a ClusterError) → exit 1 with the failed node, its reason and the script's output tail
     info = _guard(lambda: create_cluster(file, timeout_s=timeout, on_status=show))

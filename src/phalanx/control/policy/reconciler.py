@@ -82,6 +82,11 @@ class Reconciler:
         state, report = node.state, node.report or {}
         if state == S.PROVISIONING:
             if node.last_heartbeat is None:
+                if not node.handle:  # the hosts backend: the node waits for an agent to join it, however long
+                    self._say_once(f"join:{node.name}", f"node {node.name} waits for an agent to join group "
+                                   f"{node.group}: on a host, `phalanx agent --controller URL --token-file F "
+                                   f"--group {node.group}`")
+                    return
                 if now - node.state_since > h.provision_timeout_s:
                     self.fault(node, f"agent did not register within provision_timeout_s={h.provision_timeout_s:g}",
                                "provision-timeout")
@@ -283,5 +288,5 @@ class Reconciler:
             self.fault(node, f"could not start the agent: {err}", "agent-start-failed")
             return
         self.store.update_node(node.name, handle=handle)
-        log.info("provisioning %s (%s, agent %s): %s", node.name, "spare" if is_spare else "member", handle,
-                 reason)
+        log.info("provisioning %s (%s, %s): %s", node.name, "spare" if is_spare else "member",
+                 f"agent {handle}" if handle else "waiting for an agent to join", reason)

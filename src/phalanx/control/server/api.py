@@ -5,6 +5,8 @@ anything else gets 401.
     GET    /v1/nodes                    every node (terminated ones too): state, health, heartbeat, handle, ...
     GET    /v1/nodes/{name}             one node
     GET    /v1/events?since_id=&node=&limit=
+    POST   /v1/join                     an agent on another host (backend hosts) claims a node waiting for one:
+                                        the reply names the node and carries its settings and lifecycle script
     POST   /v1/nodes/{name}/heartbeat   agent → controller: phase, lifecycle result, health, its workers
                                         (state, exit code, hang); the reply says run or terminate, lists the
                                         workers to run (with relayed progress), hands over injected faults
@@ -41,7 +43,8 @@ from phalanx.control.server.heartbeat import answer_heartbeat
 from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.server.metrics import ClusterCollector
 from phalanx.protocol import ProtocolMismatch, check_version
-from phalanx.protocol.messages import Heartbeat
+from phalanx.protocol.messages import Heartbeat, JoinReply, JoinRequest
+from phalanx.control.spec import agent_settings
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.state.store import ClusterStatus, NodeState, Store
 from phalanx.observability.events import EventKind as E
@@ -141,12 +144,46 @@ def build_app(ctl) -> FastAPI:
             raise HTTPException(410, f"node {name} is run by the agent with handle {node.handle}, not {hb.handle}")
         return answer_heartbeat(store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time())
 
+    @app.post("/v1/join")
+    def join(req: JoinRequest) -> dict:
+        try:
+            check_version(req.protocol, f"the agent joining from {req.hostname}")
+        except ProtocolMismatch as err:
+            raise HTTPException(409, str(err)) from None
+        spec = ctl.spec
+        groups = [g.name for g in spec.instance_groups]
+        if req.group not in groups:
+            raise HTTPException(404, f"no instance group {req.group!r} in cluster {spec.name}; groups: "
+                                     f"{', '.join(groups)} (--group)")
+        status = store.cluster()["status"]
+        if status in (ClusterStatus.DELETING.value, ClusterStatus.DELETED.value, ClusterStatus.FAILED.value):
+            raise HTTPException(409, f"cluster {spec.name} is {status}; nothing to join")
+        node = store.claim_node(req.group, req.handle, req.work_dir, req.name)
+        if node is None:
+            which = f"node {req.name!r} of group {req.group}" if req.name else f"no node of group {req.group}"
+            why = ("the local backend starts its own agents (backend: hosts takes joining agents)"
+                   if spec.backend != "hosts" else
+                   "every member and spare has its agent; a node waits for one when the group grows or a "
+                   "faulty node is replaced")
+            raise HTTPException(409, f"{which} waits for an agent: {why}")
+        what = f"agent {req.handle} on {req.hostname} ({req.address}) joined as node {node.name}"
+        store.record_event(E.JOINED, what, node=node.name)
+        ctl.log.info(what)
+        g = spec.group(req.group)
+        script = g.on_create
+        return JoinReply(node=node.name, cluster=spec.name, config=agent_settings(spec, req.group),
+                         store_addr=ctl.store_addr, on_create=script.read_text() if script else None,
+                         on_create_name=script.name if script else None).model_dump()
+
     @app.post("/v1/nodes/{name}/faults", status_code=202)
     def inject_fault(name: str, req: FaultRequest) -> dict:
         node = node_or_404(name)
         if not node.live:
             raise HTTPException(409, f"node {name} is {node.state.value}; faults go to live nodes only")
-        if req.kind in ("kill-worker", "hang-worker"):
+        if getattr(ctl.backend, "faults_through_agent", False) and req.kind in (
+                "kill-node", "freeze-node", "kill-worker", "hang-worker"):
+            what = _fault_through_agent(node, req)
+        elif req.kind in ("kill-worker", "hang-worker"):
             what = _signal_worker(node, req)
         elif req.kind == "fail-health":
             store.add_directive(name, "fail-health")
@@ -165,14 +202,28 @@ def build_app(ctl) -> FastAPI:
         ctl.log.warning("node %s: %s", name, reason)
         return {"node": name, "kind": req.kind, "detail": what}
 
-    def _signal_worker(node, req: FaultRequest) -> str:
+    def _running_worker(node, req: FaultRequest):
         running = [w for w in ctl.jobs.records.workers(node=node.name) if w.state == "running" and w.pid]
         if req.rank is not None:
             running = [w for w in running if w.rank == req.rank]
         if not running:
             which = f" of rank {req.rank}" if req.rank is not None else ""
             raise HTTPException(409, f"node {node.name} runs no job worker{which}; {req.kind} needs a running job")
-        w = running[0]
+        return running[0]
+
+    def _fault_through_agent(node, req: FaultRequest) -> str:
+        """A node on another host: its agent acts on its next heartbeat reply."""
+        if req.kind in ("kill-node", "freeze-node"):
+            store.add_directive(node.name, req.kind)
+            return ("the agent SIGKILLs its workers and itself on its next heartbeat" if req.kind == "kill-node"
+                    else "the agent SIGSTOPs itself on its next heartbeat: alive but silent")
+        w = _running_worker(node, req)
+        sig = signal.SIGKILL if req.kind == "kill-worker" else signal.SIGSTOP
+        store.add_directive(node.name, f"signal:{w.pid}:{int(sig)}")
+        return f"the agent sends {sig.name} to worker rank {w.rank} of job {w.job} (pid {w.pid}) on its next heartbeat"
+
+    def _signal_worker(node, req: FaultRequest) -> str:
+        w = _running_worker(node, req)
         sig = signal.SIGKILL if req.kind == "kill-worker" else signal.SIGSTOP
         try:
             ctl.backend.signal_worker(node, w.pid, sig)

@@ -95,7 +95,7 @@ class Controller:
         self.spec = self.store.spec()
         self.token = paths.read_token()
         self.log = log
-        self.backend = make_backend(self.spec, paths)
+        self.backend = make_backend(self.spec, paths, self.store)
         self.server: uvicorn.Server | None = None
         self.rendezvous = None  # the TCPStore, once started
         self.jobs: JobScheduler | None = None
@@ -104,13 +104,26 @@ class Controller:
         self.started_at: float | None = None
         self._exit = threading.Event()
         self._stop_nodes_reason: str | None = None
+        self._nodes_stopped = False  # stopped while the API still served (backend hosts)
 
     def request_exit(self, stop_nodes_reason: str | None) -> None:
         """Stop the controller; with a reason, stop every node first."""
         if stop_nodes_reason and not self._stop_nodes_reason:
             self._stop_nodes_reason = stop_nodes_reason
+            if getattr(self.backend, "faults_through_agent", False) and self.server is not None:
+                # agents on other hosts hear `terminate` only in a heartbeat reply: stop them while the API serves
+                self._exit.set()
+                threading.Thread(target=self._stop_nodes_then_exit, name="stop-nodes", daemon=True).start()
+                return
         self._exit.set()
         if self.server is not None:
+            self.server.should_exit = True
+
+    def _stop_nodes_then_exit(self) -> None:
+        try:
+            self.stop_all_nodes(self._stop_nodes_reason)
+            self._nodes_stopped = True
+        finally:
             self.server.should_exit = True
 
     def _claim_pid_file(self) -> None:
@@ -149,7 +162,7 @@ class Controller:
         self.store.record_event(E.CONTROLLER, what)
         log.info(what)
 
-        store_addr = f"{connect_host(host)}:{rendezvous.port}"
+        self.store_addr = store_addr = f"{connect_host(host)}:{rendezvous.port}"
         keys = protocol.namespaced(rendezvous, self.token)  # every key under the cluster's namespace
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
@@ -175,7 +188,8 @@ class Controller:
             self._exit.set()
             loop.join(timeout=10)
             if self._stop_nodes_reason:
-                self.stop_all_nodes(self._stop_nodes_reason)
+                if not self._nodes_stopped:
+                    self.stop_all_nodes(self._stop_nodes_reason)
                 if self.store.cluster()["status"] == ClusterStatus.DELETING.value:
                     self.store.set_status(ClusterStatus.DELETED, "every node and the controller stopped")
             self.store.record_event(E.CONTROLLER, f"controller stopped (pid {os.getpid()})")

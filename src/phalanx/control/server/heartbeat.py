@@ -21,7 +21,8 @@ def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node
     set, so an agent reads exactly what the controller decided)."""
     store.update_node(node.name, last_heartbeat=now, handle=hb.handle, health=hb.health,
                       report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
-                              "standbys": hb.standbys})
+                              "standbys": hb.standbys, "address": hb.address, "ifname": hb.ifname,
+                              "free_ports": hb.free_ports})
     jobs.ingest(node, hb.workers, hb.reply_sent_at)
     status = store.cluster()["status"]
     sent_at, workers, standby = jobs.assignments(store.node(node.name))

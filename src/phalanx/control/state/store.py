@@ -255,6 +255,21 @@ class Store(EventRecords):
             self._db.execute("COMMIT")
         return self.node(name)
 
+    def claim_node(self, group: str, handle: str, work_root: str, name: str | None = None) -> Node | None:
+        """An agent joining from its host: the node of `group` (or the one named) that waits for an agent
+        (provisioning, no handle) becomes this agent's, its work dir WORK_ROOT/<cluster>/<node> on that host;
+        members before spares. None when none waits."""
+        with self._lock:
+            rows = self._exec("SELECT name FROM nodes WHERE group_name=? AND state=? AND handle IS NULL"
+                              f"{' AND name=?' if name else ''} ORDER BY is_spare, created_at, name",
+                              (group, S.PROVISIONING.value, *([name] if name else [])))
+            if not rows:
+                return None
+            claimed = rows[0]["name"]
+            cluster = self.cluster()["name"]
+            self.update_node(claimed, handle=handle, work_dir=f"{work_root.rstrip('/')}/{cluster}/{claimed}")
+            return self.node(claimed)
+
     def node(self, name: str) -> Node | None:
         rows = self._exec("SELECT * FROM nodes WHERE name=?", (name,))
         return _node(rows[0]) if rows else None

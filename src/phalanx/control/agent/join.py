@@ -1,0 +1,151 @@
+"""An agent on another host joins a cluster (backend `hosts`): `phalanx agent --controller URL --token-file F
+--group G`, run by hand, by a lifecycle script or by `srun` on each host.
+
+    join(...)          find this host's address towards the controller (the source address of a route to it)
+                       and the interface holding it, claim a waiting node of the group (`POST /v1/join`), and
+                       write the node's agent config into its work dir (`<work root>/<cluster>/<node>`): the
+                       settings the controller sent, the lifecycle script's text, the controller's URL and
+                       rendezvous store. Nothing is read from the controller's disk.
+    free_ports(host)   ports free on this host just now (each heartbeat reports a few: a generation's
+                       MASTER_PORT on this node is one of them)
+    act_on(directive)  fault injection the controller cannot do from its host: `kill-node` (SIGKILL every
+                       process this agent started, then itself), `freeze-node` (SIGSTOP itself: alive but
+                       silent), `signal:PID:SIG` (one of its workers)
+
+Standard library only. Must not know: the reconciler's policy, SQLite, torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+from pathlib import Path
+from urllib.parse import urlparse
+
+from phalanx.control.http import request_json
+from phalanx.protocol import PROTOCOL_VERSION
+
+log = logging.getLogger("phalanx.agent")
+SIOCGIFADDR = 0x8915
+
+
+def route_address(url: str) -> str:
+    """This host's address on the route to the controller at `url` (no packet is sent: a UDP connect only
+    picks the route)."""
+    parsed = urlparse(url)
+    if not parsed.hostname or not parsed.port:
+        raise ValueError(f"--controller {url!r}: expected http://HOST:PORT (the controller's API, as `phalanx "
+                         f"cluster describe` shows it)")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((parsed.hostname, parsed.port))
+        return s.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding IPv4 `address` (what GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def free_ports(host: str, count: int = 4) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def join(url: str, token_file: Path, group: str, *, name: str | None, work_root: Path, address: str | None,
+         ifname: str | None) -> Path:
+    """Claim a node of `group`; returns the path of the agent config written for it."""
+    token = token_file.read_text().strip()
+    address = address or route_address(url)
+    ifname = ifname or interface_of(address)
+    handle = f"{socket.gethostname()}:{os.getpid()}"
+    reply = request_json("POST", f"{url.rstrip('/')}/v1/join", token, {
+        "protocol": PROTOCOL_VERSION, "group": group, "name": name, "handle": handle, "address": address,
+        "ifname": ifname, "work_dir": str(work_root), "hostname": socket.gethostname()}, timeout=10)
+    from phalanx.protocol import check_version
+
+    check_version(reply.get("protocol"), "the controller")
+    work = work_root / reply["cluster"] / reply["node"]
+    work.mkdir(parents=True, exist_ok=True, mode=0o700)
+    script = None
+    if reply.get("on_create") is not None:
+        script = work / "on_create" / (reply.get("on_create_name") or "on_create.sh")
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(reply["on_create"])
+        script.chmod(0o700)
+    cfg = {**reply["config"], "node": reply["node"], "work_dir": str(work), "on_create": str(script) if script else None,
+           "token_file": str(token_file.resolve()), "controller_url": url.rstrip("/"), "store_addr": reply["store_addr"],
+           "address": address, "ifname": ifname, "handle": handle}
+    path = work / "agent.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    log.info("joined cluster %s as node %s (handle %s, address %s, interface %s); work dir %s", reply["cluster"],
+             reply["node"], handle, address, ifname or "?", work)
+    return path
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def act_on(directive: str) -> bool:
+    """Carry out a fault directive meant for this host; False for one that is not (a health-check fault)."""
+    me = os.getpid()
+    if directive == "kill-node":
+        log.warning("fault injected by operator: kill-node; SIGKILL to every process of this agent, then itself")
+        for pid in descendants(me):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(me, signal.SIGKILL)
+    elif directive == "freeze-node":
+        log.warning("fault injected by operator: freeze-node; SIGSTOP to this agent (alive but silent)")
+        os.kill(me, signal.SIGSTOP)
+    elif directive.startswith("signal:"):
+        _, pid, sig = directive.split(":")
+        if int(pid) in descendants(me):
+            log.warning("fault injected by operator: signal %s to worker pid %s", signal.Signals(int(sig)).name, pid)
+            os.kill(int(pid), int(sig))
+        else:
+            log.error("fault directive %s names no process of this agent; ignored", directive)
+    else:
+        return False
+    return True
