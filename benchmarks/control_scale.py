@@ -1,0 +1,277 @@
+"""The control plane at scale: the real controller against N simulated agents.
+
+For each N in `--nodes` (default 64, 256, 1024): `phalanx cluster create` of a `backend: hosts` cluster of N
+nodes (one group, no spares) on loopback, and N simulated agents in one asyncio loop — no torch, no
+processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
+`heartbeat_interval_s` (0.5 s, the default) with the body a real agent sends (phase, lifecycle, health,
+workers, address, free ports). The controller, its reconciler and SQLite are the real ones. Measured:
+
+  ready        first join → the cluster in service (every node healthy)
+  heartbeat    round-trip of each heartbeat over a `--window` of steady state: p50 / p99, and the rate
+               actually delivered against N / interval (the simulated agents share the machine's cores)
+  cpu          the controller process's CPU seconds per second over that window (1.0 = one core)
+  scrape       GET /metrics, median of 5
+  schedule     a command job on all N nodes submitted → the last agent's heartbeat reply carries its
+               assignment (then cancelled)
+  detect       one agent's last heartbeat → the controller marks its node faulty; and the excess over
+               heartbeat_timeout_s (what the reconciler adds to the timeout itself)
+
+Writes benchmarks/results/control_scale.json (summary per N: ready_s, hb_p50_ms, hb_p99_ms, hb_rate_ratio,
+cpu_cores, scrape_ms, schedule_s, detect_s, detect_excess_s).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes 64 256 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RESULTS_DIR, write_results  # noqa: E402
+
+from phalanx.protocol import PROTOCOL_VERSION  # noqa: E402
+
+RESULTS = RESULTS_DIR / "control_scale.json"
+HEALTH = [{"name": "disk", "status": "ok", "detail": "simulated", "action": None},
+          {"name": "memory", "status": "ok", "detail": "simulated", "action": None}]
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection to the controller."""
+
+    def __init__(self, host: str, port: int, token: str):
+        self.host, self.port, self.token = host, port, token
+        self.reader = self.writer = None
+
+    async def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode() if body is not None else b""
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        self.writer.write(head.encode() + data)
+        await self.writer.drain()
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise ConnectionError("the controller closed the connection")
+        status = int(status_line.split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        payload = await self.reader.readexactly(length) if length else b""
+        return status, (json.loads(payload) if payload else {})
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class SimAgent:
+    def __init__(self, i: int, conn: Conn, interval: float, bench: "Bench"):
+        self.i, self.conn, self.interval, self.bench = i, conn, interval, bench
+        self.name: str | None = None
+        self.handle = f"sim:{i}"
+        self.silent = False
+        self.stopped = False
+        self.assigned_at: dict[str, float] = {}
+        self.last_sent: float | None = None  # wall time of the newest heartbeat sent
+
+    async def join(self) -> None:
+        status, reply = await self.conn.request("POST", "/v1/join", {
+            "protocol": PROTOCOL_VERSION, "group": "workers", "handle": self.handle, "address": "127.0.0.1",
+            "ifname": "lo", "work_dir": "/nonexistent/sim", "hostname": f"sim{self.i}"})
+        if status != 200:
+            raise RuntimeError(f"join refused: {status} {reply}")
+        self.name = reply["node"]
+
+    def body(self) -> dict:
+        now = time.time()
+        return {"protocol": PROTOCOL_VERSION, "handle": self.handle, "phase": "ready",
+                "lifecycle": {"ok": True, "exit_code": None, "duration_s": 0.0, "tail": "", "log": None,
+                              "detail": "no on_create script"},
+                "health": {"ok": True, "checked_at": now, "checks": HEALTH}, "sent_at": now, "workers": [],
+                "reply_sent_at": None, "deep_check": None, "standbys": {}, "address": "127.0.0.1", "ifname": "lo",
+                "free_ports": [40000 + self.i % 20000]}
+
+    async def run(self) -> None:
+        await asyncio.sleep(random.random() * self.interval)  # agents start at different moments
+        while not self.stopped:
+            start = time.monotonic()
+            if not self.silent:
+                self.last_sent = time.time()
+                status, reply = await self.conn.request("POST", f"/v1/nodes/{self.name}/heartbeat", self.body())
+                took = time.monotonic() - start
+                self.bench.heartbeat(took)
+                if status != 200 or reply.get("action") == "terminate":
+                    self.stopped = True
+                    break
+                for a in reply.get("workers", []):
+                    self.assigned_at.setdefault(a["job"], time.time())
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - start)))
+
+
+class Bench:
+    def __init__(self):
+        self.recording = False
+        self.latencies: list[float] = []
+
+    def heartbeat(self, seconds: float) -> None:
+        if self.recording:
+            self.latencies.append(seconds)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http_get(url: str, token: str) -> tuple[float, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=60) as r:
+        data = r.read()
+    return time.perf_counter() - start, data
+
+
+async def measure(n: int, window: float, root: Path) -> dict:
+    os.environ["PHALANX_HOME"] = str(root / f"home-{n}")
+    from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
+    from phalanx.control.spec import spec_from_dict
+    from phalanx.control.state.paths import ClusterPaths
+
+    spec = spec_from_dict({"name": f"scale{n}", "backend": "hosts", "api": {"host": "127.0.0.1"},
+                           "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": n,
+                                                "warm_standby": False, "worker_template": False}],
+                           "health": {"provision_timeout_s": 600}})
+    interval, timeout = spec.health.heartbeat_interval_s, spec.health.heartbeat_timeout_s
+    created: dict = {}
+    creator = threading.Thread(target=lambda: created.update(info=create_cluster(spec, timeout_s=1800)), daemon=True)
+    creator.start()
+    paths = ClusterPaths.for_name(spec.name)
+    while not (paths.endpoint.is_file() and paths.token.is_file()):
+        await asyncio.sleep(0.05)
+    ep, token = json.loads(paths.endpoint.read_text()), paths.token.read_text().strip()
+    host, port, pid = ep["connect_host"], ep["api_port"], ep["pid"]
+    url = f"http://{host}:{port}"
+    loop = asyncio.get_running_loop()
+    for _ in range(600):  # the endpoint file is written before the API listens
+        try:
+            await loop.run_in_executor(None, http_get, f"{url}/v1/cluster", token)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    bench = Bench()
+    agents = [SimAgent(i, Conn(host, port, token), interval, bench) for i in range(n)]
+    first_join = time.monotonic()
+    gate = asyncio.Semaphore(64)
+
+    async def join(a: SimAgent) -> None:
+        async with gate:
+            await a.join()
+
+    await asyncio.gather(*(join(a) for a in agents))
+    tasks = [asyncio.create_task(a.run()) for a in agents]
+    while creator.is_alive():
+        await asyncio.sleep(0.1)
+    if "info" not in created:
+        raise RuntimeError(f"N={n}: the cluster did not come into service")
+    ready = time.monotonic() - first_join
+    print(f"N={n}: in service {ready:.1f} s after the first join", flush=True)
+
+    await asyncio.sleep(2 * interval)
+    bench.latencies.clear()
+    bench.recording = True
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    await asyncio.sleep(window)
+    cpu1, t1 = cpu_seconds(pid), time.monotonic()
+    bench.recording = False
+    lat = sorted(bench.latencies)
+    rate = len(lat) / (t1 - t0) / (n / interval)
+
+    scrapes = [(await loop.run_in_executor(None, http_get, f"{url}/metrics", token))[0] for _ in range(5)]
+
+    submitted = time.time()
+    req = urllib.request.Request(f"{url}/v1/jobs", method="POST", data=json.dumps(
+        {"kind": "command", "nodes": n, "argv": ["sleep", "600"], "cwd": str(root), "name": "scale"}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    job = json.loads(await loop.run_in_executor(None, lambda: urllib.request.urlopen(req, timeout=60).read()))["id"]
+    deadline = time.monotonic() + 300
+    while not all(job in a.assigned_at for a in agents) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    schedule = max(a.assigned_at.get(job, float("inf")) for a in agents) - submitted
+    cancel = urllib.request.Request(f"{url}/v1/jobs/{job}/cancel", method="POST", data=b"{}",
+                                    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    await loop.run_in_executor(None, lambda: urllib.request.urlopen(cancel, timeout=60).read())
+    await asyncio.sleep(3 * interval)
+
+    victim = agents[n // 2]
+    victim.silent = True
+    await asyncio.sleep(interval)  # its heartbeat in flight, if any, lands
+    silent_at = victim.last_sent  # the heartbeat timeout counts from the newest heartbeat received
+    client = ClusterClient(spec.name, timeout_s=60)
+    detect = None
+    while time.time() - silent_at < timeout + 60:
+        node = await loop.run_in_executor(None, lambda: client.call("GET", f"/v1/nodes/{victim.name}"))
+        if node["state"] in ("faulty", "replacing", "terminated"):
+            detect = node["state_since"] - silent_at
+            break
+        await asyncio.sleep(0.05)
+
+    await loop.run_in_executor(None, lambda: delete_cluster(spec.name, timeout_s=120))
+    for a in agents:
+        a.stopped = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for a in agents:
+        a.conn.close()
+    out = {"nodes": n, "ready_s": round(ready, 3), "heartbeats": len(lat),
+           "hb_p50_ms": round(1000 * lat[len(lat) // 2], 2), "hb_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
+           "hb_rate_ratio": round(rate, 3), "cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
+           "scrape_ms": round(1000 * statistics.median(scrapes), 2), "schedule_s": round(schedule, 3),
+           "detect_s": round(detect, 3) if detect is not None else None,
+           "detect_excess_s": round(detect - timeout, 3) if detect is not None else None,
+           "heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--window", type=float, default=15.0, help="seconds of steady heartbeats measured")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # N keep-alive sockets here and in the controller
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="phalanx-scale-") as tmp:
+        for n in args.nodes:
+            rows.append(asyncio.run(measure(n, args.window, Path(tmp))))
+    print(f"{'N':>6} {'ready s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} {'rate':>6} {'cpu':>6} {'scrape ms':>10} "
+          f"{'schedule s':>11} {'detect s':>9}")
+    for r in rows:
+        print(f"{r['nodes']:>6} {r['ready_s']:>8} {r['hb_p50_ms']:>10} {r['hb_p99_ms']:>10} {r['hb_rate_ratio']:>6} "
+              f"{r['cpu_cores']:>6} {r['scrape_ms']:>10} {r['schedule_s']:>11} {r['detect_s']!s:>9}")
+    summary = {f"{k}_{r['nodes']}": r[k] for r in rows for k in (
+        "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "scrape_ms", "schedule_s", "detect_s",
+        "detect_excess_s")}
+    write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,
+                             "command": "PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes "
+                                        + " ".join(map(str, args.nodes))})
+
+
+if __name__ == "__main__":
+    main()
