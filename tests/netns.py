@@ -43,6 +43,11 @@ class Hosts:
             return "network namespaces need root"
         if shutil.which("ip") is None:
             return "the `ip` command (iproute2) is not installed"
+        probe = f"phxprobe{os.getpid() % 100000}"
+        made = _ip("netns", "add", probe, check=False)
+        _ip("netns", "del", probe, check=False)
+        if made.returncode != 0:
+            return f"`ip netns add` fails here: {made.stderr.strip()}"
         return None
 
     def address(self, host: str) -> str:

@@ -1,7 +1,8 @@
 """Past one machine (backend `hosts`): the controller on one host, every node an agent that joined from a host
 of its own (`phalanx agent --controller URL --token-file F --group G`), hosts made of Linux network namespaces
-on a bridge (tests/netns.py, 198.18.0.0/24). Nothing here reaches a node through a local process handle: the
-controller knows each node from its heartbeats (its address, interface, free ports), MASTER_ADDR is the
+on a bridge (tests/netns.py, 198.18.0.0/24). Each host's agent sees an empty tmpfs where the controller's
+directory is: a host shares only the checkpoint directory (and the code) with the controller. Nothing here
+reaches a node through a local process handle: the controller knows each node from its heartbeats (its address, interface, free ports), MASTER_ADDR is the
 address of the host of rank 0, gloo binds each host's own interface.
 
 End to end, with real processes: a checkpointless job survives a killed host (the spare's host takes the rank,
@@ -79,13 +80,16 @@ def start_cluster(hosts: Hosts, tmp_path: Path, *, members: int = 2, spares: int
 
 
 def join(hosts: Hosts, tmp_path: Path, host: str, url: str, token: str, group: str = "workers") -> subprocess.Popen:
-    """An agent on `host`, with its own copy of the token and its own work root."""
+    """An agent on `host`, with its own copy of the token and its own work root. The controller's directory
+    (PHALANX_HOME) is hidden under an empty tmpfs in the host's mount namespace: a host shares only the
+    checkpoint directory (and the code) with the controller."""
     root = tmp_path / "hosts" / host
     root.mkdir(parents=True, exist_ok=True)
     (root / "token").write_text(token)
-    return hosts.run(host, [PY, "-m", "phalanx.cli", "agent", "--controller", url, "--token-file", str(root / "token"),
-                            "--group", group, "--work-root", str(root / "work")], root / "agent.out",
-                     env=host_env())
+    hide = ["sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', os.environ["PHALANX_HOME"]]
+    return hosts.run(host, [*hide, PY, "-m", "phalanx.cli", "agent", "--controller", url, "--token-file",
+                            str(root / "token"), "--group", group, "--work-root", str(root / "work")],
+                     root / "agent.out", env=host_env())
 
 
 def host_env() -> dict:
@@ -139,6 +143,8 @@ def test_a_checkpointless_job_survives_a_killed_host(tmp_path, hosts, demo_data,
     events = assert_same_losses(run_dir, reference, "killed host")
     restored = next(e for e in events if e["event"] == "state_restored")
     assert restored["source"] == "peer-memory" and restored["bytes"] > 0
+    assert info["log_dir"].startswith(str(run_dir)), info["log_dir"]  # beside the checkpoints, which hosts share
+    assert "rank 1 on node" in (Path(info["log_dir"]) / "rank1.log").read_text()
     victim_node = next(n for n in client.nodes() if n["name"] == victim)
     assert victim_node["state"] in ("replacing", "terminated") and victim_node["fault_cause"] == "heartbeat-timeout"
 

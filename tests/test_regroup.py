@@ -160,6 +160,38 @@ def test_a_rank_stuck_forming_a_generation_exits_once_a_newer_one_appears(formed
         assert "still forming generation 1" in err and "line 11, in <module>" in err, err[-2000:]  # the sleep
 
 
+STEPPING_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from phalanx.resilience.membership import Membership
+
+    m = Membership(f"127.0.0.1:{sys.argv[1]}", "7", "n1", 0, token="tok", stuck_grace_s=1.0)
+    m.forming(1)
+    m.watch(1)
+    m.on_step_start(None, 0)  # the trainer's callbacks: one step done, the next one in flight
+    m.on_step_end(None, {})
+    m.on_step_start(None, 1)
+    print("waiting", flush=True)
+    time.sleep(8)  # stands for a collective whose peer stopped without dying (a frozen host)
+    print("superseded" if m.superseded.is_set() else "not superseded", flush=True)
+""")
+
+
+def test_a_rank_blocked_inside_a_step_exits_once_a_newer_generation_appears():
+    """A frozen host keeps its sockets open: its peers' collective would wait out the group's timeout. Inside a
+    step, a rank superseded for max(stuck_grace_s, 3 × its longest step) exits so a fresh process takes its rank."""
+    port = _free_port()
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    protocol.publish_generation(server, "7", 1, ["n0", "n1"], 1)
+    proc = subprocess.Popen([sys.executable, "-c", STEPPING_SCRIPT, str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
+    assert proc.stdout.readline() == "waiting\n"
+    protocol.publish_generation(server, "7", 2, ["n0", "n1"], 1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == protocol.EXIT_STUCK and out == "", (proc.returncode, out, err[-2000:])
+    assert "still training generation 1" in err and "in a collective" in err, err[-2000:]
+
+
 def test_the_stuck_grace_is_the_jobs_setting(tmp_path, demo_data):
     """`resilience.stuck_grace_s` reaches the worker's watch (a big model's build + checkpoint load may need more
     than the default 10 s), and a bad value is refused with the field named."""

@@ -28,10 +28,12 @@ way to a newer generation, but not every wait is a store wait. Gloo connecting t
 writing its address blocks in C++ for the group's timeout (minutes); the peers, gone on to the next
 generation, would wait for this rank in vain. A rank still forming its generation `stuck_grace_s` after a
 newer one appeared logs where it is stuck and exits with `protocol.EXIT_STUCK`: the controller gives its rank
-to a fresh process, as for a killed one. Likewise a rank told to leave the generation it trains that does not
-reach its step boundary within max(`stuck_grace_s`, 3 × its longest recent step): it is blocked in a
+to a fresh process, as for a killed one. Likewise a rank told to leave the generation it trains while it is
+inside a step (the trainer's `on_step_start` … `on_step_end`: Membership is one of its callbacks) that does
+not reach the step's end within max(`stuck_grace_s`, 3 × its longest recent step): it is blocked in a
 collective with a peer that stopped without dying (a frozen host keeps its sockets open; gloo would wait out
-the group's timeout, minutes).
+the group's timeout, minutes). Outside a step (a checkpoint save, work before the first step) a newer
+generation is only news: the rank leaves at its next step boundary, however long that takes.
 
 Knows nothing about models or training state; `RegroupStore`'s generation check is a callable.
 """
@@ -104,6 +106,7 @@ class Membership:
         self._newer_since: float | None = None  # when a generation newer than the forming one was first seen
         self._superseded_at: float | None = None  # when the generation this rank trains was superseded
         self._step_s = 0.0  # the longest recent step (decaying): how long the step in flight may still take
+        self._step_started: float | None = None  # the step in flight began (monotonic), None between steps
         self._watch_lock = threading.Lock()
 
     @classmethod
@@ -219,18 +222,22 @@ class Membership:
         """`generation` formed and trains: set `superseded` as soon as a newer generation is published."""
         self.superseded.clear()
         with self._watch_lock:
-            self._watching, self._forming, self._superseded_at = generation, None, None
+            self._watching, self._forming, self._superseded_at, self._step_started = generation, None, None, None
         self._start_thread()
 
     def unwatch(self) -> None:
         """This rank left its generation: nothing trains, so a newer generation is expected, not news."""
         with self._watch_lock:
-            self._forming, self._watching, self._superseded_at = None, -1, None
+            self._forming, self._watching, self._superseded_at, self._step_started = None, -1, None, None
 
-    def step_done(self, seconds: float | None) -> None:
-        """A step of the generation this rank trains ended after `seconds`."""
-        if seconds is not None:
-            self._step_s = max(0.9 * self._step_s, float(seconds))
+    # the trainer's callbacks (duck-typed: this module imports no training code)
+    def on_step_start(self, trainer, step: int) -> None:
+        self._step_started = time.monotonic()
+
+    def on_step_end(self, trainer, record: dict) -> None:
+        started, self._step_started = self._step_started, None
+        if started is not None:
+            self._step_s = max(0.9 * self._step_s, time.monotonic() - started)
 
     def _start_thread(self) -> None:
         with self._watch_lock:
@@ -263,9 +270,9 @@ class Membership:
             time.sleep(0.05)
 
     def _check_training(self, newest: int) -> None:
-        """(Under the lock.) Exit if this rank was told to leave the generation it trains and has not reached
-        its step boundary within max(stuck_grace_s, 3 × its longest recent step)."""
-        if self._superseded_at is None or self._watching < 0:
+        """(Under the lock.) Exit if this rank was told to leave the generation it trains, is inside a step, and
+        has not reached the step's end within max(stuck_grace_s, 3 × its longest recent step)."""
+        if self._superseded_at is None or self._watching < 0 or self._step_started is None or not self._step_s:
             return
         waited, grace = time.monotonic() - self._superseded_at, max(self.stuck_grace_s, 3 * self._step_s)
         if waited < grace:

@@ -204,6 +204,7 @@ class CheckpointlessRun:
         marks["trainer"] = time.time()
         self.restore(trainer, placement)
         self.drill.install(trainer)
+        trainer.callbacks.add(self.membership)  # a step blocked on a frozen peer ends the process (membership.py)
         self.membership.watch(generation)
         if self.settings.snapshot_interval and self.config.parallel.dp_replicate == 1:
             self.snapshots = BuddySnapshots(trainer, self.shelf, interval=self.settings.snapshot_interval,
@@ -215,7 +216,6 @@ class CheckpointlessRun:
             if self.membership.superseded.is_set():
                 raise Superseded(generation, self.membership.latest())
             record = trainer.advance()
-            self.membership.step_done(record.get("step_time_s"))
             if self.reporter is not None:
                 self.reporter.report(record["step"], record.get("compute_time_s"))
             if self.snapshots is not None:

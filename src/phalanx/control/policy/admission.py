@@ -15,6 +15,7 @@ from phalanx import protocol
 from phalanx.control.policy.stragglers import StragglerSettings
 from phalanx.control.state.jobs import ACTIVE, FINAL, Job, JobState
 from phalanx.control.state.store import ClusterStatus, NodeState
+from phalanx.observability.run_events import job_run_dir
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
@@ -58,10 +59,15 @@ class Admission:
                 raise JobRequestError(422, "--recovery checkpointless needs a training config: a command's state "
                                            "is unknown to Phalanx (use --auto-resume to rerun it on a fault)")
             auto_resume = True  # recovering in place is resuming; the checkpoint stays the fallback
+        jobs_root = str(self.jobs_root)
+        if self.spec.backend == "hosts" and kind == "train":
+            # nodes on other hosts share only the checkpoint directory with the controller: the job's config and
+            # rank logs live beside its checkpoints, not in the controller's cluster directory
+            jobs_root = str(job_run_dir(cwd, checkpoint_dir) / ".phalanx" / self.spec.name)
         with self.lock:
             job = self.records.add_job(name=name, kind=kind, group=g.name, nodes=nodes,
                                        workers_per_node=g.profile.worker_slots, argv=argv, cwd=cwd, env=env or {},
-                                       config=config, jobs_root=str(self.jobs_root), checkpoint_dir=checkpoint_dir,
+                                       config=config, jobs_root=jobs_root, checkpoint_dir=checkpoint_dir,
                                        auto_resume=auto_resume, max_retries=max_retries, recovery=recovery,
                                        straggler=straggler.to_dict())
         (Path(job.job_dir) / "logs").mkdir(parents=True, exist_ok=True)
