@@ -41,7 +41,8 @@ class WideConsole(Console):
         Console.size.fset(self, new_size)
 
 
-cluster_app = typer.Typer(help="Create and operate a self-healing cluster (local backend).", no_args_is_help=True)
+cluster_app = typer.Typer(help="Create and operate a self-healing cluster (backend local, or hosts: agents join "
+                                "from other hosts).", no_args_is_help=True)
 fault_app = typer.Typer(help="Inject faults for tests and drills (they take the real fault paths).",
                         no_args_is_help=True)
 out = WideConsole(highlight=False)
