@@ -91,9 +91,13 @@ class SimAgent:
         self.last_sent: float | None = None  # wall time of the newest heartbeat sent
 
     async def join(self) -> None:
-        status, reply = await self.conn.request("POST", "/v1/join", {
-            "protocol": PROTOCOL_VERSION, "group": "workers", "handle": self.handle, "address": "127.0.0.1",
-            "ifname": "lo", "work_dir": "/nonexistent/sim", "hostname": f"sim{self.i}"})
+        while True:  # like `phalanx agent`: a 503 while the cluster is created (rows not all provisioned) is retried
+            status, reply = await self.conn.request("POST", "/v1/join", {
+                "protocol": PROTOCOL_VERSION, "group": "workers", "handle": self.handle, "address": "127.0.0.1",
+                "ifname": "lo", "work_dir": "/nonexistent/sim", "hostname": f"sim{self.i}"})
+            if status != 503:
+                break
+            await asyncio.sleep(0.5)
         if status != 200:
             raise RuntimeError(f"join refused: {status} {reply}")
         self.name = reply["node"]
@@ -159,7 +163,13 @@ async def measure(n: int, window: float, root: Path) -> dict:
                            "health": {"provision_timeout_s": 600}})
     interval, timeout = spec.health.heartbeat_interval_s, spec.health.heartbeat_timeout_s
     created: dict = {}
-    creator = threading.Thread(target=lambda: created.update(info=create_cluster(spec, timeout_s=1800)), daemon=True)
+    def create() -> None:
+        try:
+            created["info"] = create_cluster(spec, timeout_s=1800)
+        except Exception as err:  # noqa: BLE001 - reported below
+            created["error"] = str(err).splitlines()[0]
+
+    creator = threading.Thread(target=create, daemon=True)
     creator.start()
     paths = ClusterPaths.for_name(spec.name)
     while not (paths.endpoint.is_file() and paths.token.is_file()):
@@ -188,7 +198,7 @@ async def measure(n: int, window: float, root: Path) -> dict:
     while creator.is_alive():
         await asyncio.sleep(0.1)
     if "info" not in created:
-        raise RuntimeError(f"N={n}: the cluster did not come into service")
+        raise RuntimeError(f"the cluster did not come into service: {created.get('error')}")
     ready = time.monotonic() - first_join
     print(f"N={n}: in service {ready:.1f} s after the first join", flush=True)
 
@@ -259,13 +269,27 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="phalanx-scale-") as tmp:
         for n in args.nodes:
-            rows.append(asyncio.run(measure(n, args.window, Path(tmp))))
+            try:
+                rows.append(asyncio.run(measure(n, args.window, Path(tmp))))
+            except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
+                reason = str(err).splitlines()[0][:300]
+                print(f"N={n}: failed: {reason}", flush=True)
+                rows.append({"nodes": n, "error": reason})
+            finally:  # a failed measurement leaves no controller behind to skew the next one
+                from phalanx.control.client.cluster import delete_cluster
+                from phalanx.control.state.paths import list_clusters
+
+                for name in list_clusters():
+                    delete_cluster(name, timeout_s=30)
     print(f"{'N':>6} {'ready s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} {'rate':>6} {'cpu':>6} {'scrape ms':>10} "
           f"{'schedule s':>11} {'detect s':>9}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['nodes']:>6} failed: {r['error']}")
+            continue
         print(f"{r['nodes']:>6} {r['ready_s']:>8} {r['hb_p50_ms']:>10} {r['hb_p99_ms']:>10} {r['hb_rate_ratio']:>6} "
               f"{r['cpu_cores']:>6} {r['scrape_ms']:>10} {r['schedule_s']:>11} {r['detect_s']!s:>9}")
-    summary = {f"{k}_{r['nodes']}": r[k] for r in rows for k in (
+    summary = {f"{k}_{r['nodes']}": r[k] for r in rows if "error" not in r for k in (
         "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "scrape_ms", "schedule_s", "detect_s",
         "detect_excess_s")}
     write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,

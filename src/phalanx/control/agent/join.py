@@ -24,14 +24,16 @@ import os
 import signal
 import socket
 import struct
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from phalanx.control.http import request_json
+from phalanx.control.http import ApiError, request_json
 from phalanx.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger("phalanx.agent")
 SIOCGIFADDR = 0x8915
+JOIN_RETRY_S = 120.0  # how long a join is retried while the cluster is still being created
 
 
 def route_address(url: str) -> str:
@@ -79,9 +81,17 @@ def join(url: str, token_file: Path, group: str, *, name: str | None, work_root:
     address = address or route_address(url)
     ifname = ifname or interface_of(address)
     handle = f"{socket.gethostname()}:{os.getpid()}"
-    reply = request_json("POST", f"{url.rstrip('/')}/v1/join", token, {
-        "protocol": PROTOCOL_VERSION, "group": group, "name": name, "handle": handle, "address": address,
-        "ifname": ifname, "work_dir": str(work_root), "hostname": socket.gethostname()}, timeout=10)
+    body = {"protocol": PROTOCOL_VERSION, "group": group, "name": name, "handle": handle, "address": address,
+            "ifname": ifname, "work_dir": str(work_root), "hostname": socket.gethostname()}
+    deadline = time.monotonic() + JOIN_RETRY_S
+    while True:
+        try:
+            reply = request_json("POST", f"{url.rstrip('/')}/v1/join", token, body, timeout=10)
+            break
+        except ApiError as err:  # 503: the cluster is still being created, its nodes not all provisioned yet
+            if err.status != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     from phalanx.protocol import check_version
 
     check_version(reply.get("protocol"), "the controller")

@@ -159,6 +159,10 @@ def build_app(ctl) -> FastAPI:
         if status in (ClusterStatus.DELETING.value, ClusterStatus.DELETED.value, ClusterStatus.FAILED.value):
             raise HTTPException(409, f"cluster {spec.name} is {status}; nothing to join")
         node = store.claim_node(req.group, req.handle, req.work_dir, req.name)
+        if node is None and status == ClusterStatus.CREATING.value and not req.name:
+            # agents started with the cluster (an srun on every host) may come before their rows are provisioned
+            raise HTTPException(503, f"cluster {spec.name} is being created and has no node of group {req.group} "
+                                     f"waiting yet; retry in a moment")
         if node is None:
             which = f"node {req.name!r} of group {req.group}" if req.name else f"no node of group {req.group}"
             why = ("the local backend starts its own agents (backend: hosts takes joining agents)"
