@@ -94,7 +94,7 @@ class SimAgent:
         while True:  # like `phalanx agent`: a 503 while the cluster is created (rows not all provisioned) is retried
             status, reply = await self.conn.request("POST", "/v1/join", {
                 "protocol": PROTOCOL_VERSION, "group": "workers", "handle": self.handle, "address": "127.0.0.1",
-                "ifname": "lo", "work_dir": "/nonexistent/sim", "hostname": f"sim{self.i}"})
+                "ifname": "lo", "work_root": "/nonexistent/sim", "hostname": f"sim{self.i}"})
             if status != 503:
                 break
             await asyncio.sleep(0.5)

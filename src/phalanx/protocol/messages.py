@@ -70,7 +70,7 @@ class JoinRequest(_Message):
     handle: str  # who this agent is (host and pid); every heartbeat repeats it
     address: str
     ifname: str | None = None
-    work_dir: str  # on the agent's host
+    work_root: str  # on the agent's host: the node's work dir is WORK_ROOT/<cluster>/<node>
     hostname: str
 
 

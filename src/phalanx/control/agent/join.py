@@ -82,7 +82,7 @@ def join(url: str, token_file: Path, group: str, *, name: str | None, work_root:
     ifname = ifname or interface_of(address)
     handle = f"{socket.gethostname()}:{os.getpid()}"
     body = {"protocol": PROTOCOL_VERSION, "group": group, "name": name, "handle": handle, "address": address,
-            "ifname": ifname, "work_dir": str(work_root), "hostname": socket.gethostname()}
+            "ifname": ifname, "work_root": str(work_root), "hostname": socket.gethostname()}
     deadline = time.monotonic() + JOIN_RETRY_S
     while True:
         try:

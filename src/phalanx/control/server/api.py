@@ -158,7 +158,7 @@ def build_app(ctl) -> FastAPI:
         status = store.cluster()["status"]
         if status in (ClusterStatus.DELETING.value, ClusterStatus.DELETED.value, ClusterStatus.FAILED.value):
             raise HTTPException(409, f"cluster {spec.name} is {status}; nothing to join")
-        node = store.claim_node(req.group, req.handle, req.work_dir, req.name)
+        node = store.claim_node(req.group, req.handle, req.work_root, req.name)
         if node is None and status == ClusterStatus.CREATING.value and not req.name:
             # agents started with the cluster (an srun on every host) may come before their rows are provisioned
             raise HTTPException(503, f"cluster {spec.name} is being created and has no node of group {req.group} "
