@@ -32,7 +32,7 @@ from phalanx import protocol
 from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.hang import judge_hang
 from phalanx.control.agent.standby import Standby, StandbyPool
-from phalanx.control.agent.template import TemplateUnavailable, WorkerTemplate
+from phalanx.control.agent.template import TemplateUnavailable, WorkerTemplate, on_this_host
 from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
                                           signal_group)
 from phalanx.observability.events import EventKind, EventLog
@@ -167,7 +167,7 @@ class WorkerSupervisor(StandbyPool):
                 out.write(f"=== phalanx: job {w.job} generation {w.generation} rank {rank} on node {self.node}, "
                           f"started {time.strftime('%H:%M:%S')} ===\n".encode())
                 out.flush()
-                w.proc, how = self._spawn(a.argv, env, a.cwd, log_path, out)
+                w.proc, how = self._spawn(on_this_host(a.argv), env, a.cwd, log_path, out)
         except OSError as err:
             w.state, w.exit_code, w.ended_at = "exited", 127, time.time()
             w.detail = f"could not be started ({' '.join(a.argv)[:200]} in {a.cwd}): {err}"

@@ -38,6 +38,14 @@ class TemplateUnavailable(Exception):
     """The template cannot fork this worker now (not ready, gone, or the command is not a worker's)."""
 
 
+def on_this_host(argv: list[str]) -> list[str]:
+    """Phalanx's own worker (`<python> -m phalanx.worker`) is run by this agent's interpreter: the controller
+    names the one it runs under, a path another host may not have. Any other command is run as given."""
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2] in FORKABLE:
+        return [sys.executable, *argv[1:]]
+    return argv
+
+
 def forkable(argv: list[str]) -> bool:
     """A training worker this interpreter would run (`python -m phalanx.worker ...`): the template runs it."""
     return len(argv) >= 3 and argv[1] == "-m" and argv[2] in FORKABLE and \
