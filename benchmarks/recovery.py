@@ -349,7 +349,7 @@ def main() -> None:
                 print(f"run {i + 1}/{args.runs} {h.name:>14}: " + "  ".join(
                     f"{k} {sample[k]:.2f}" if isinstance(sample[k], float) else f"{k} {sample[k]}"
                     for k in (*FIGURES, "normal_step_s") if k in sample), flush=True)
-        ckl = next((h for h in harnesses if h.recovery == "checkpointless"), None) if cluster else None
+        ckl = next((h for h in harnesses if getattr(h, "recovery", None) == "checkpointless"), None) if cluster else None
         for i in range(args.overhead_runs if ckl is not None else 0):
             for interval in ((1, 0) if i % 2 == 0 else (0, 1)):
                 tree = job_tree(root / f"overhead-{i}-{interval}", data, args.steps, args.interval, FSDP)
