@@ -117,20 +117,31 @@ def reference(tmp_path_factory, demo_data) -> dict[int, float]:
     return {s["step"]: s["loss"] for s in steps}
 
 
-def test_a_checkpointless_job_survives_a_killed_host(tmp_path, hosts, demo_data, reference):
-    start_cluster(hosts, tmp_path)
+def agent_pid(hosts: Hosts, host: str) -> int:
+    return next(p for p in hosts.pids(host) if "agent" in Path(f"/proc/{p}/cmdline").read_text())
+
+
+def train_until_step_12(hosts: Hosts, tmp_path: Path, data: Path, recovery: str, name: str, **cluster):
+    """A cluster of 2 members + 1 spare on h1..h3, a job of 2 ranks trained to step 12: (jobs, client, run dir,
+    the node of rank 1, its host)."""
+    start_cluster(hosts, tmp_path, **cluster)
     jobs, client = JobClient("c1"), ClusterClient("c1")
+    run_dir = tmp_path / "run"
+    jobs.submit(write_config(tmp_path / f"{name}.yaml", config_for(run_dir, data, recovery)), nodes=2,
+                auto_resume=True, name=name)
+    step_at_least(jobs, name, 12, timeout=120)
+    victim = jobs.describe(name)["generations"][0]["nodes"][1]
+    return jobs, client, run_dir, victim, host_of(client, hosts, victim)
+
+
+def test_a_checkpointless_job_survives_a_killed_host(tmp_path, hosts, demo_data, reference):
+    jobs, client, run_dir, victim, host = train_until_step_12(hosts, tmp_path, demo_data, "checkpointless", "cl")
     nodes = {n["name"]: n for n in client.nodes()}
     assert {n["report"]["address"] for n in nodes.values()} == {hosts.address(h) for h in ("h1", "h2", "h3")}
     assert {n["report"]["ifname"] for n in nodes.values()} == {"eth0"}
-    run_dir = tmp_path / "run"
-    jobs.submit(write_config(tmp_path / "cl.yaml", config_for(run_dir, demo_data, "checkpointless")), nodes=2,
-                auto_resume=True, name="cl")
-    step_at_least(jobs, "cl", 12, timeout=120)
     first = jobs.describe("cl")["generations"][0]
-    rank0_host, victim = host_of(client, hosts, first["nodes"][0]), first["nodes"][1]
-    assert first["master_addr"] == hosts.address(rank0_host), first  # rank 0's host serves the rendezvous
-    killed = hosts.kill(host_of(client, hosts, victim))
+    assert first["master_addr"] == hosts.address(host_of(client, hosts, first["nodes"][0])), first  # rank 0's host
+    killed = hosts.kill(host)
     assert killed, "the victim host ran processes"
     info = jobs.wait("cl", timeout_s=180)
 
@@ -150,15 +161,9 @@ def test_a_checkpointless_job_survives_a_killed_host(tmp_path, hosts, demo_data,
 
 
 def test_a_restart_job_survives_a_host_cut_off_the_network(tmp_path, hosts, demo_data):
-    start_cluster(hosts, tmp_path, warm_standby=False)
-    jobs, client = JobClient("c1"), ClusterClient("c1")
-    run_dir = tmp_path / "run"
-    jobs.submit(write_config(tmp_path / "rs.yaml", config_for(run_dir, demo_data, "restart")), nodes=2,
-                auto_resume=True, name="rs")
-    step_at_least(jobs, "rs", 12, timeout=120)
-    victim = jobs.describe("rs")["generations"][0]["nodes"][1]
-    cut = host_of(client, hosts, victim)
-    agent = next(p for p in hosts.pids(cut) if "agent" in Path(f"/proc/{p}/cmdline").read_text())
+    jobs, client, run_dir, victim, cut = train_until_step_12(hosts, tmp_path, demo_data, "restart", "rs",
+                                                             warm_standby=False)
+    agent = agent_pid(hosts, cut)
     hosts.cut(cut)
     info = jobs.wait("rs", timeout_s=180)
 
@@ -180,14 +185,7 @@ def test_a_restart_job_survives_a_host_cut_off_the_network(tmp_path, hosts, demo
 
 
 def test_a_checkpointless_job_survives_a_frozen_host(tmp_path, hosts, demo_data, reference):
-    start_cluster(hosts, tmp_path)
-    jobs, client = JobClient("c1"), ClusterClient("c1")
-    run_dir = tmp_path / "run"
-    jobs.submit(write_config(tmp_path / "fz.yaml", config_for(run_dir, demo_data, "checkpointless")), nodes=2,
-                auto_resume=True, name="fz")
-    step_at_least(jobs, "fz", 12, timeout=120)
-    victim = jobs.describe("fz")["generations"][0]["nodes"][1]
-    frozen = host_of(client, hosts, victim)
+    jobs, client, run_dir, victim, frozen = train_until_step_12(hosts, tmp_path, demo_data, "checkpointless", "fz")
     assert hosts.freeze(frozen)
     info = jobs.wait("fz", timeout_s=180)
 
@@ -217,7 +215,7 @@ def test_a_bad_join_gets_one_clear_error(tmp_path, hosts):
     assert [n["name"] for n in client.nodes()] == ["workers-0"]
     # a fault injected from the controller reaches a node on another host through its agent: frozen, it falls
     # silent; it is replaced by a fresh node (no spares), which waits for an agent; one joins and it comes up
-    (agent,) = [p for p in hosts.pids("h1") if "agent" in Path(f"/proc/{p}/cmdline").read_text()]
+    agent = agent_pid(hosts, "h1")
     client.inject_fault("workers-0", "freeze-node")
     wait_for(lambda: Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", 10,
              "the agent on h1 to stop itself")

@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from phalanx.control.http import ApiError, request_json
-from phalanx.protocol import PROTOCOL_VERSION
+from phalanx.protocol import PROTOCOL_VERSION, check_version
 
 log = logging.getLogger("phalanx.agent")
 SIOCGIFADDR = 0x8915
@@ -92,8 +92,6 @@ def join(url: str, token_file: Path, group: str, *, name: str | None, work_root:
             if err.status != 503 or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-    from phalanx.protocol import check_version
-
     check_version(reply.get("protocol"), "the controller")
     work = work_root / reply["cluster"] / reply["node"]
     work.mkdir(parents=True, exist_ok=True, mode=0o700)

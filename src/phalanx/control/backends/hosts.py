@@ -37,7 +37,9 @@ from phalanx.control.state.store import Node
 
 
 class HostsBackend:
-    faults_through_agent = True  # kill-node, freeze-node, worker signals: sent to the agent as directives
+    # the controller reaches a node only through its agent's heartbeat replies: kill-node, freeze-node and worker
+    # signals go as directives (api.py), and nodes are stopped while the API still serves (daemon.py)
+    faults_through_agent = True
 
     def __init__(self, paths: ClusterPaths, spec: ClusterSpec, store=None):
         self.paths = paths
