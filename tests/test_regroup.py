@@ -167,22 +167,27 @@ STEPPING_SCRIPT = textwrap.dedent("""
     m = Membership(f"127.0.0.1:{sys.argv[1]}", "7", "n1", 0, token="tok", stuck_grace_s=1.0)
     m.forming(1)
     m.watch(1)
-    m.on_step_start(None, 0)  # the trainer's callbacks: one step done, the next one in flight
+    m.on_step_start(None, 0)  # the trainer's callbacks and the run loop: one step done, the next one in flight
     m.on_step_end(None, {})
+    m.at_boundary()
     m.on_step_start(None, 1)
+    if sys.argv[2] == "save":  # the step ended; its checkpoint save is in flight
+        m.on_step_end(None, {})
     print("waiting", flush=True)
     time.sleep(8)  # stands for a collective whose peer stopped without dying (a frozen host)
     print("superseded" if m.superseded.is_set() else "not superseded", flush=True)
 """)
 
 
-def test_a_rank_blocked_inside_a_step_exits_once_a_newer_generation_appears():
+@pytest.mark.parametrize("where", ["step", "save"])
+def test_a_rank_blocked_inside_a_step_or_its_save_exits_once_a_newer_generation_appears(where):
     """A frozen host keeps its sockets open: its peers' collective would wait out the group's timeout. Inside a
-    step, a rank superseded for max(stuck_grace_s, 3 × its longest step) exits so a fresh process takes its rank."""
+    step or the checkpoint save after it, a rank superseded for max(stuck_grace_s, 3 × its longest step) exits so
+    a fresh process takes its rank."""
     port = _free_port()
     server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
     protocol.publish_generation(server, "7", 1, ["n0", "n1"], 1)
-    proc = subprocess.Popen([sys.executable, "-c", STEPPING_SCRIPT, str(port)],
+    proc = subprocess.Popen([sys.executable, "-c", STEPPING_SCRIPT, str(port), where],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
     assert proc.stdout.readline() == "waiting\n"

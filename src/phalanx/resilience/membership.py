@@ -29,11 +29,12 @@ writing its address blocks in C++ for the group's timeout (minutes); the peers, 
 generation, would wait for this rank in vain. A rank still forming its generation `stuck_grace_s` after a
 newer one appeared logs where it is stuck and exits with `protocol.EXIT_STUCK`: the controller gives its rank
 to a fresh process, as for a killed one. Likewise a rank told to leave the generation it trains while it is
-inside a step (the trainer's `on_step_start` … `on_step_end`: Membership is one of its callbacks) that does
-not reach the step's end within max(`stuck_grace_s`, 3 × its longest recent step): it is blocked in a
+busy between two step boundaries (from the trainer's `on_step_start` — Membership is one of its callbacks —
+to the run loop's `at_boundary()`: the step, and the checkpoint save or buddy snapshot after it) that does not
+reach the boundary within max(`stuck_grace_s`, 3 × its longest recent step-to-boundary): it is blocked in a
 collective with a peer that stopped without dying (a frozen host keeps its sockets open; gloo would wait out
-the group's timeout, minutes). Outside a step (a checkpoint save, work before the first step) a newer
-generation is only news: the rank leaves at its next step boundary, however long that takes.
+the group's timeout, minutes). Before the first step a newer generation is only news: the rank leaves at its
+first step boundary, however long that takes.
 
 Knows nothing about models or training state; `RegroupStore`'s generation check is a callable.
 """
@@ -105,8 +106,8 @@ class Membership:
         self._forming: int | None = None  # the generation this rank is forming (joining, restoring), if any
         self._newer_since: float | None = None  # when a generation newer than the forming one was first seen
         self._superseded_at: float | None = None  # when the generation this rank trains was superseded
-        self._step_s = 0.0  # the longest recent step (decaying): how long the step in flight may still take
-        self._step_started: float | None = None  # the step in flight began (monotonic), None between steps
+        self._step_s = 0.0  # the longest recent step-to-boundary (decaying): how long the one in flight may take
+        self._step_started: float | None = None  # the step in flight began (monotonic), None at a boundary
         self._watch_lock = threading.Lock()
 
     @classmethod
@@ -235,6 +236,10 @@ class Membership:
         self._step_started = time.monotonic()
 
     def on_step_end(self, trainer, record: dict) -> None:
+        pass  # still busy: a checkpoint save or a buddy snapshot may follow, collectives too
+
+    def at_boundary(self) -> None:
+        """The run loop is between steps (where it checks `superseded`): nothing in flight."""
         started, self._step_started = self._step_started, None
         if started is not None:
             self._step_s = max(0.9 * self._step_s, time.monotonic() - started)
@@ -270,15 +275,15 @@ class Membership:
             time.sleep(0.05)
 
     def _check_training(self, newest: int) -> None:
-        """(Under the lock.) Exit if this rank was told to leave the generation it trains, is inside a step, and
-        has not reached the step's end within max(stuck_grace_s, 3 × its longest recent step)."""
+        """(Under the lock.) Exit if this rank was told to leave the generation it trains, is between two step
+        boundaries, and has not reached the next within max(stuck_grace_s, 3 × its longest recent one)."""
         if self._superseded_at is None or self._watching < 0 or self._step_started is None or not self._step_s:
             return
         waited, grace = time.monotonic() - self._superseded_at, max(self.stuck_grace_s, 3 * self._step_s)
         if waited < grace:
             return
         self._exit_stuck(f"still training generation {self._watching} {waited:.0f} s after generation {newest} was "
-                         f"published (a step takes up to {self._step_s:.1f} s): the main thread is blocked in a "
+                         f"published (a step and what follows it take up to {self._step_s:.1f} s): the main thread is blocked in a "
                          f"collective with a peer that stopped without dying (a frozen host?)")
 
     def _exit_stuck(self, what: str) -> None:

@@ -220,9 +220,12 @@ class CheckpointlessRun:
                 self.reporter.report(record["step"], record.get("compute_time_s"))
             if self.snapshots is not None:
                 self.snapshots.after_step()
+            self.membership.at_boundary()  # the step and its save/snapshot done: a newer generation is news now
+        self.membership.on_step_start(trainer, trainer.progress.step)  # the final save: collectives, as a step's
         if self.snapshots is not None:
             self.snapshots.wait()
         trainer.finish()  # the final checkpoint is committed on every rank
+        self.membership.at_boundary()
         trainer.metrics.close()
         if self.reporter is not None:  # the controller learns the last step before this process exits, even
             self.reporter.flush(protocol.EXIT_FLUSH_S)  # when its store came back (a controller restart) only just now
