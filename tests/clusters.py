@@ -4,6 +4,7 @@ any agent, worker or child of theirs survived (even when the test failed), and a
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import shutil
 import signal
 import time
@@ -45,6 +46,12 @@ def home(tmp_path, monkeypatch):
     for sid in sessions:
         leftovers.update(session_members(sid))
     leftovers.update(p for p in workers if process_running(p, "python"))
+    described = {}
+    for pid in leftovers:
+        try:
+            described[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        except OSError:
+            described[pid] = "?"
     for pid in leftovers:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -52,7 +59,7 @@ def home(tmp_path, monkeypatch):
             pass
     assert not errors, errors
     assert not tracebacks, "\n".join(tracebacks)  # a reconciler/agent error must not pass silently
-    assert not leftovers, f"processes left behind after cluster delete: {leftovers}"
+    assert not leftovers, f"processes left behind after cluster delete: {described}"
 
 
 def wait_for(predicate, timeout: float, what: str):

@@ -102,6 +102,8 @@ class FakeBackend:
         self.frozen: set[str] = set()
         self.stubborn: set[str] = set()  # agents that ignore SIGTERM (only a kill ends them)
         self.launch_error: str | None = None  # launch raises OSError with this while set
+        self.taken_by: dict[str, str] = {}  # node name → why its scheduler took it (what `taken` says)
+        self.remediated: list[tuple[str, str]] = []  # (node name, fault cause) handed back to the scheduler
         self._handles = itertools.count(1000)
         self._ports = itertools.count(29500)
 
@@ -177,6 +179,16 @@ class FakeBackend:
             self.terminate(n)
             self.kill(n)
         return len(running)
+
+    def flush(self) -> list[tuple[Node, str]]:
+        return []
+
+    def taken(self, node: Node) -> str | None:
+        return self.taken_by.get(node.name)
+
+    def remediate(self, node: Node, reason: str, cause: str) -> None:
+        self.calls.append(("remediate", node.name))
+        self.remediated.append((node.name, cause))
 
     def sweep(self, nodes: list[Node]) -> list[int]:
         return []

@@ -1,7 +1,7 @@
 """The contract every backend keeps (`phalanx.control.backends.base.Backend`), run against each backend: real
 nodes (for `local`: agent processes on this machine, with no controller to talk to — they keep retrying,
-which is all these tests need), real signals, real ports. The Slurm backend joins the `backend` fixture's
-list when it lands."""
+which is all these tests need), real signals, real ports. The hosts and slurm backends start nothing on this machine (agents join them): their
+own tests are at the end, and end to end in tests/test_hosts.py and tests/test_slurm.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import time
 import pytest
 
 from phalanx.control.backends import Backend, make_backend
+from phalanx.control.backends.hosts import HostsBackend
+from phalanx.control.backends.slurm import SlurmBackend, SlurmJob, SlurmNode, SlurmView, allocation_options
 from phalanx.control.spec import SpecError, spec_from_dict
 from phalanx.control.state.paths import ClusterPaths
 from phalanx.control.state.store import Store
@@ -66,11 +68,11 @@ def cluster(request, tmp_path):
     c.close()
 
 
-def test_make_backend_gives_a_backend_and_refuses_one_not_built(cluster):
+def test_make_backend_gives_the_backend_the_spec_names(cluster):
     assert isinstance(cluster.backend, Backend)
-    spec = cluster.spec.model_copy(update={"backend": "slurm"})
-    with pytest.raises(SpecError, match="backend 'slurm' is not yet implemented"):
-        make_backend(spec, cluster.paths)
+    for name, cls in (("hosts", HostsBackend), ("slurm", SlurmBackend)):
+        backend = make_backend(cluster.spec.model_copy(update={"backend": name}), cluster.paths)
+        assert isinstance(backend, Backend) and type(backend) is cls
 
 
 def test_a_launched_node_runs_until_terminated_then_says_how_it_ended(cluster):
@@ -192,3 +194,74 @@ def test_backend_hosts_needs_an_address_other_hosts_reach():
     group = {"name": "workers", "instance_type": "local.cpu-1", "count": 1}
     with pytest.raises(SpecError, match="api.host: '0.0.0.0' is every address"):
         spec_from_dict({"name": "c1", "backend": "hosts", "api": {"host": "0.0.0.0"}, "instance_groups": [group]})
+
+
+# ---- the slurm backend: what Slurm says about a node, as the reconciler hears it (`taken`) -----------------
+def slurm_cluster(tmp_path, **settings):
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2, "spares": 1}
+    spec = spec_from_dict({"name": "c1", "backend": "slurm", "instance_groups": [group],
+                           "slurm": {"partition": "gpu", "allocation_timeout_s": 30, **settings}})
+    paths = ClusterPaths(tmp_path / "c1")
+    paths.root.mkdir(mode=0o700)
+    store = Store(paths.db)
+    store.initialize(spec)
+    return spec, store, SlurmBackend(paths, spec, store)
+
+
+def test_the_slurm_backend_asks_for_one_exclusive_allocation_and_names_it(tmp_path):
+    spec, store, backend = slurm_cluster(tmp_path, account="ml", sbatch_options=["--time=7-0"])
+    opts = allocation_options(spec, "workers", 3)
+    for wanted in ("--no-kill", "--requeue", "--exclusive", "--open-mode=append", "--signal=B:USR2@120",
+                   "--ntasks-per-node=1", "--partition=gpu", "--account=ml", "--time=7-0",
+                   "--comment=phalanx cluster c1 group workers"):
+        assert wanted in opts, (wanted, opts)
+    assert opts[opts.index("--nodes") + 1] == "3" and opts[opts.index("--job-name") + 1] == "phalanx-c1"
+    store.update_cluster(api_host="198.18.0.2", api_port=8123)
+    script = backend.batch_script("workers", 3)
+    assert "srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --whole --nodes 3 " in script
+    assert "--join http://198.18.0.2:8123 --token-file" in script and "--group workers" in script
+    store.close()
+
+
+def test_the_slurm_backend_says_when_slurm_took_a_node_or_will_not_give_it(tmp_path):
+    spec, store, backend = slurm_cluster(tmp_path)
+    now = time.time()
+    waiting = store.add_node("workers", is_spare=False, work_root=tmp_path, reason="test")
+    joined = store.add_node("workers", is_spare=False, work_root=tmp_path, reason="test")
+    backend._job_of[waiting.name], backend._submitted["7"] = "7", now - 10
+    cancelled: list[str] = []
+    backend._cancel = lambda job, why: cancelled.append(job)  # no scancel here
+    store.update_node(joined.name, handle="slurm:6:n2:4242")
+    joined = store.node(joined.name)
+
+    def view(jobs, nodes):
+        backend.poller.view = SlurmView(now, {j.id: j for j in jobs}, {n.name: n for n in nodes})
+
+    assert backend.taken(waiting) is None, "Slurm not heard yet: heartbeats judge"
+    view([SlurmJob("7", "PENDING", "Resources", ""), SlurmJob("6", "RUNNING", "None", "n[1-2]")],
+         [SlurmNode("n2", "allocated", "")])
+    assert backend.taken(waiting) is None and backend.taken(joined) is None  # pending within the timeout: waits
+    backend._submitted["7"] = now - 31
+    assert "still pending after 31 s (squeue reason: Resources" in backend.taken(waiting) and cancelled == ["7"]
+    view([SlurmJob("6", "RUNNING", "None", "n[1-2]")], [SlurmNode("n2", "draining", "phalanx: hang: ...")])
+    assert "Slurm job 7 ended (gone from squeue) before its agent joined" in backend.taken(waiting)
+    assert backend.taken(joined) is None, "drained by Phalanx itself: already handled"
+    view([SlurmJob("6", "RUNNING", "None", "n[1-2]")], [SlurmNode("n2", "draining", "bad DIMM")])
+    assert backend.taken(joined) == ("Slurm node n2 is draining (reason: bad DIMM): Slurm or an operator took it "
+                                     "from the job")
+    view([SlurmJob("6", "CANCELLED", "None", "")], [SlurmNode("n2", "allocated", "")])
+    assert backend.taken(joined) == "its Slurm job 6 ended (CANCELLED)"
+    store.close()
+
+
+def test_a_slurm_section_needs_backend_slurm_and_an_address_the_nodes_reach():
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 1}
+    with pytest.raises(SpecError, match="slurm: set for backend 'local'; it applies to `backend: slurm` only"):
+        spec_from_dict({"name": "c1", "slurm": {"partition": "gpu"}, "instance_groups": [group]})
+    with pytest.raises(SpecError, match="slurm.remediator: must be 'drain', 'hyperpod' or 'report'"):
+        spec_from_dict({"name": "c1", "backend": "slurm", "slurm": {"remediator": "reboot"},
+                        "instance_groups": [group]})
+    with pytest.raises(SpecError, match="api.host: '0.0.0.0' is every address; backend slurm"):
+        spec_from_dict({"name": "c1", "backend": "slurm", "api": {"host": "0.0.0.0"}, "instance_groups": [group]})
+    spec = spec_from_dict({"name": "c1", "backend": "slurm", "instance_groups": [group]})
+    assert spec.slurm is None and spec.slurm_settings.remediator == "drain"

@@ -226,6 +226,20 @@ def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fa
     assert c.status() == "in-service"
 
 
+def test_a_node_its_scheduler_takes_is_replaced_and_every_fault_is_handed_back_to_the_backend(make):
+    c = make(count=2, spares=1).create()
+    c.backend.taken_by["workers-0"] = "Slurm node n1 is drained (reason: bad DIMM): Slurm or an operator took it"
+    c.run_until(lambda: "faulty" in c.transitions("workers-0"), "workers-0 faulty")
+    assert c.node("workers-0").fault_cause == "scheduler"
+    assert "bad DIMM" in next(e for e in c.events(node="workers-0") if e["to_state"] == "faulty")["reason"]
+    c.run_until(lambda: state(c, "workers-3") == "healthy", "the pool refilled")
+    assert c.live()["workers-2"].is_spare is False  # the spare took its place
+    c.inject_fault("workers-1", "kill-node")
+    c.run_until(lambda: "faulty" in c.transitions("workers-1"), "workers-1 faulty")
+    # every fault goes to the backend, which hands the node back to its scheduler (Slurm: drain) as it sees fit
+    assert c.backend.remediated == [("workers-0", "scheduler"), ("workers-1", "agent-gone")]
+
+
 def test_a_faulty_spare_is_retired_and_a_refill_that_never_registers_times_out_and_is_replaced(make):
     c = make(count=1, spares=1, health={"provision_timeout_s": 10}).create()
     c.plan("workers-2", register=False)

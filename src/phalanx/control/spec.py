@@ -2,7 +2,8 @@
 
     name: demo
     backend: local                  # local: agents on this machine; hosts: agents join from other hosts
-                                    # (`phalanx agent --controller URL ...`); `slurm` is refused at create
+                                    # (`phalanx agent --controller URL ...`); slurm: Slurm allocates the
+                                    # nodes and runs their agents (see SlurmSpec: `slurm: {partition: ...}`)
     node_recovery: automatic        # automatic: replace faulty nodes (from spares); none: leave them faulty
     instance_groups:
       - name: workers
@@ -141,6 +142,36 @@ class ApiSpec(_Strict):
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
 
 
+class SlurmSpec(_Strict):
+    """Where and how `backend: slurm` asks Slurm for nodes: one allocation (`sbatch`) per instance group for its
+    members + spares, one `srun` step running an agent on every node of it; one-node jobs refill the group."""
+
+    partition: str | None = Field(None, description="sbatch --partition (default: Slurm's default partition)")
+    account: str | None = Field(None, description="sbatch --account")
+    sbatch_options: list[str] = Field([], description="more sbatch options, each one argument "
+                                                      "(e.g. ['--time=7-0', '--gres=gpu:8'])")
+    remediator: Literal["drain", "hyperpod", "report"] = Field(
+        "drain", description="what a faulty node's Slurm node gets: drain (scontrol: state=drain, reason 'phalanx: "
+                             "<fault>'), hyperpod (drain with reason 'Action:Replace', HyperPod's convention), "
+                             "report (nothing asked of Slurm: an event only)")
+    allocation_timeout_s: float = Field(300.0, gt=0, description="an allocation still pending after this fails "
+                                                                 "its nodes (squeue's reason says why)")
+    work_root: str = Field("/tmp/phalanx-agents", description="directory on each node for its work dir")
+    python: str | None = Field(None, description="the Python on the nodes that has Phalanx installed (default: "
+                                                 "the controller's own interpreter, a shared install)")
+    allocation: str | None = Field(None, description="run the nodes in this Slurm job's allocation instead of "
+                                                     "submitting one (`phalanx cluster up --slurm` sets it from "
+                                                     "SLURM_JOB_ID); refills are still one-node jobs")
+    spare_timeout_s: float = Field(600.0, gt=0, description="cluster up --slurm --run: a job short of nodes this "
+                                                            "long is requeued (scontrol requeue) to resume from "
+                                                            "its checkpoint on a fresh allocation")
+    controller_lost_s: float = Field(60.0, gt=0, description="cluster up --slurm: agents that cannot reach the "
+                                                             "controller (on the batch host) this long ask Slurm "
+                                                             "to requeue the job (scontrol requeue)")
+    max_requeues: int = Field(3, ge=0, description="cluster up --slurm --run: requeue at most this many times "
+                                                   "(SLURM_RESTART_COUNT counts them); then exit 3, do not requeue")
+
+
 class ClusterSpec(_Strict):
     name: str
     backend: Literal["local", "hosts", "slurm"] = "local"
@@ -148,6 +179,7 @@ class ClusterSpec(_Strict):
     instance_groups: list[InstanceGroupSpec] = Field(..., min_length=1)
     health: HealthSpec = HealthSpec()
     api: ApiSpec = ApiSpec()
+    slurm: SlurmSpec | None = Field(None, description="backend slurm: partition, account, remediator, ...")
 
     @field_validator("name")
     @classmethod
@@ -167,11 +199,23 @@ class ClusterSpec(_Strict):
 
     @model_validator(mode="after")
     def _hosts_reach_the_controller(self) -> ClusterSpec:
-        if self.backend == "hosts" and self.api.host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"api.host: {self.api.host!r} is every address; backend hosts hands the controller's "
+        if self.backend in ("hosts", "slurm") and self.api.host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"api.host: {self.api.host!r} is every address; backend {self.backend} hands the controller's "
                              f"address to agents and workers on other hosts (the API and the rendezvous store "
                              f"listen there): set the address those hosts reach this machine at")
         return self
+
+    @model_validator(mode="after")
+    def _slurm_section_for_slurm(self) -> ClusterSpec:
+        if self.slurm is not None and self.backend != "slurm":
+            raise ValueError(f"slurm: set for backend {self.backend!r}; it applies to `backend: slurm` only (set "
+                             f"the backend, or remove the section)")
+        return self
+
+    @property
+    def slurm_settings(self) -> SlurmSpec:
+        """The `slurm:` section, or its defaults (Slurm's default partition, drain) when the spec has none."""
+        return self.slurm or SlurmSpec()
 
     @model_validator(mode="after")
     def _fits_the_local_backend(self) -> ClusterSpec:
@@ -289,13 +333,7 @@ def agent_settings(spec: ClusterSpec, group: str) -> dict:
         "hang_timeout_s": h.hang_timeout_s, "deep_health_check": h.deep_health_check,
         "min_free_disk_mb": h.min_free_disk_mb, "min_free_memory_mb": h.min_free_memory_mb,
         "lifecycle_timeout_s": h.lifecycle_timeout_s,
+        # `cluster up --slurm`: the controller lives on the batch host; its silence means the allocation lost it
+        "slurm_requeue": ({"job": spec.slurm.allocation, "after_s": spec.slurm.controller_lost_s}
+                          if spec.slurm and spec.slurm.allocation else None),
     }
-
-
-def check_backend_supported(spec: ClusterSpec) -> None:
-    if spec.backend not in ("local", "hosts"):
-        raise SpecError(
-            f"backend {spec.backend!r} is not yet implemented; use `backend: local` (each node is an agent "
-            f"process on this machine) or `backend: hosts` (agents join from other hosts with `phalanx agent "
-            f"--controller URL --token-file F --group G`). The Slurm backend arrives in a later milestone."
-        )

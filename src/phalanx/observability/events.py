@@ -35,6 +35,7 @@ class EventKind(str, Enum):
     PROMOTED = "promoted"  # a spare became a member of its group
     JOINED = "joined"  # an agent on another host joined as a waiting node (backend hosts)
     WAITING = "waiting"  # a group or job waits for capacity
+    REMEDIATED = "remediated"  # a faulty node handed back to its scheduler (Slurm: drained, or reported)
     FAULT_INJECTED = "fault-injected"  # `phalanx fault inject`
     # jobs (controller)
     JOB = "job"  # a job's state changed (state/jobs.py)

@@ -61,6 +61,13 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def slurm_handle() -> str | None:
+    """`slurm:<job id>:<Slurm node>:<pid>` when Slurm started this agent (backend slurm reads the job and node
+    from it: a faulty node is drained by that name); None otherwise."""
+    job, node = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURMD_NODENAME")
+    return f"slurm:{job}:{node}:{os.getpid()}" if job and node else None
+
+
 def free_ports(host: str, count: int = 4) -> list[int]:
     socks = []
     try:
@@ -80,7 +87,7 @@ def join(url: str, token_file: Path, group: str, *, name: str | None, work_root:
     token = token_file.read_text().strip()
     address = address or route_address(url)
     ifname = ifname or interface_of(address)
-    handle = f"{socket.gethostname()}:{os.getpid()}"
+    handle = slurm_handle() or f"{socket.gethostname()}:{os.getpid()}"
     body = {"protocol": PROTOCOL_VERSION, "group": group, "name": name, "handle": handle, "address": address,
             "ifname": ifname, "work_root": str(work_root), "hostname": socket.gethostname()}
     deadline = time.monotonic() + JOIN_RETRY_S

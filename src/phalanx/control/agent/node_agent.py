@@ -79,6 +79,7 @@ def output_tail(path: Path, lines: int = TAIL_LINES, max_chars: int = 4000) -> s
 class Agent:
     def __init__(self, cfg: dict):
         self.cfg = cfg
+        self._requeue_asked = False  # slurm: `scontrol requeue` asked once (maybe_requeue)
         self.name: str = cfg["node"]
         # who the controller knows as this node: the handle it joined with (backend hosts), its backend's, its pid
         self.handle = cfg.get("handle") or os.environ.get(NODE_HANDLE) or str(os.getpid())
@@ -283,6 +284,7 @@ class Agent:
                     log.warning("controller unreachable (%s); node and workers keep running, retrying every %g s",
                                 err, self.interval)
                 url = self.endpoint_url()
+                self.maybe_requeue(time.monotonic() - down_since)
             except ProtocolMismatch as err:
                 self.exit_reason = f"cannot work with this controller: {err}"
                 break
@@ -299,6 +301,23 @@ class Agent:
             self.wake.wait(self.interval)
         self.shutdown()
         return 0
+
+    def maybe_requeue(self, down_s: float) -> None:
+        """`cluster up --slurm`: the controller runs on the allocation's batch host. Silent this long, that host
+        is taken for dead, and Slurm keeps a job whose batch host failed under --no-kill running without its
+        script: ask Slurm to requeue the job (its next run resumes from the checkpoint). Once per agent."""
+        requeue = self.cfg.get("slurm_requeue") or {}
+        job = requeue.get("job")
+        if not job or os.environ.get("SLURM_JOB_ID") != job or down_s < requeue["after_s"] or self._requeue_asked:
+            return  # not an agent of the allocation's own step (a refill job's agent leaves it to those)
+        self._requeue_asked = True
+        log.error("controller unreachable for %.0f s (slurm: the batch host is taken for dead); next: scontrol "
+                  "requeue %s, the job resumes from its checkpoint", down_s, job)
+        try:
+            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+            log.info("scontrol requeue %s: %s", job, (done.stderr or done.stdout).strip() or f"exit {done.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as err:
+            log.error("scontrol requeue %s failed: %s", job, err)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -356,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    # Slurm's warning before an allocation's time limit (sbatch --signal=B:USR2@120, forwarded by srun): noted; the
+    # agent runs on until Slurm ends the step, and the job's checkpoints are its way back after a requeue
+    signal.signal(signal.SIGUSR2, lambda s, f: log.warning("Slurm sent USR2: the allocation's time limit is near"))
     return agent.run()
 
 

@@ -1,5 +1,5 @@
 """Backends: where nodes come from (`local.py`: agents on this machine; `hosts.py`: agents that join from
-other hosts). `make_backend(spec, paths)` picks the one a cluster spec names; policy
+other hosts; `slurm.py`: Slurm allocates the nodes and starts their agents). `make_backend(spec, paths)` picks the one a cluster spec names; policy
 only ever holds a `Backend` (base.py)."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from phalanx.control.backends.base import Backend
 
 def make_backend(spec, paths, store=None) -> Backend:
     """The backend of `spec.backend` for the cluster at `paths` (`store`: the controller's, which the hosts
-    backend reads its agents' reports from); SpecError for one not built yet."""
-    from phalanx.control.spec import check_backend_supported
+    and slurm backends read their agents' reports from)."""
+    if spec.backend == "slurm":
+        from phalanx.control.backends.slurm import SlurmBackend
 
-    check_backend_supported(spec)
+        return SlurmBackend(paths, spec, store)
     if spec.backend == "hosts":
         from phalanx.control.backends.hosts import HostsBackend
 

@@ -7,7 +7,8 @@ which the store keeps (`Node.handle`: for the local backend, the agent's pid as 
 heartbeat confirms (`Heartbeat.handle`: the agent reports `PHALANX_NODE_HANDLE` when its backend set it, else
 its pid). Policy never reads a handle's meaning, never signals a process itself, never scans /proc.
 
-Implementations: `local.py` (each node an agent process on this machine). The contract every backend must
+Implementations: `local.py` (each node an agent process on this machine), `hosts.py` (agents that join
+from other hosts), `slurm.py` (agents Slurm starts, which join). The contract every backend must
 keep is tests/test_backends.py, run against each of them.
 
 Must not know: jobs, generations, recovery policy.
@@ -62,6 +63,18 @@ class Backend(Protocol):
     def teardown(self, nodes: list[Node], grace_s: float) -> int:
         """The controller is not running: stop these nodes directly (terminate, then kill after `grace_s`).
         Returns how many were running."""
+
+    def flush(self) -> list[tuple[Node, str]]:
+        """End of a reconciler tick: start what `launch` queued (the slurm backend submits one allocation for
+        the nodes of one tick). The nodes that could not be started, each with why."""
+
+    def taken(self, node: Node) -> str | None:
+        """Why the node's scheduler took it away or will not give it (Slurm: drained or down from outside, its
+        job ended, its allocation pending too long); None while it holds (and for backends without one)."""
+
+    def remediate(self, node: Node, reason: str, cause: str) -> None:
+        """The node went faulty (`cause`: one of store.FAULT_CAUSES): hand it back to its scheduler (Slurm:
+        drain it with the fault as reason). No-op for backends without a scheduler."""
 
     def sweep(self, nodes: list[Node]) -> list[int]:
         """After a delete: kill whatever of the cluster still runs (a leak). Returns the pids killed."""

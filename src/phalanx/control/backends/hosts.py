@@ -107,5 +107,14 @@ class HostsBackend:
     def teardown(self, nodes: list[Node], grace_s: float) -> int:
         return 0
 
+    def flush(self) -> list[tuple[Node, str]]:
+        return []  # launch started each node already
+
+    def taken(self, node: Node) -> str | None:
+        return None  # no scheduler takes nodes away
+
+    def remediate(self, node: Node, reason: str, cause: str) -> None:
+        return None  # no scheduler to hand a faulty node back to
+
     def sweep(self, nodes: list[Node]) -> list[int]:
         return []

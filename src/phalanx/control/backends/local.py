@@ -238,6 +238,15 @@ class LocalBackend:
             self.kill(n)  # stubborn agents, and whatever they left in their process group
         return len(running)
 
+    def flush(self) -> list[tuple[Node, str]]:
+        return []  # launch started each node already
+
+    def taken(self, node: Node) -> str | None:
+        return None  # no scheduler takes nodes away
+
+    def remediate(self, node: Node, reason: str, cause: str) -> None:
+        return None  # no scheduler to hand a faulty node back to
+
     def sweep(self, nodes: list[Node]) -> list[int]:
         victims: set[int] = set()
         for n in nodes:

@@ -41,8 +41,8 @@ class WideConsole(Console):
         Console.size.fset(self, new_size)
 
 
-cluster_app = typer.Typer(help="Create and operate a self-healing cluster (backend local, or hosts: agents join "
-                                "from other hosts).", no_args_is_help=True)
+cluster_app = typer.Typer(help="Create and operate a self-healing cluster (backend local; hosts: agents join "
+                                "from other hosts; slurm: Slurm allocates the nodes).", no_args_is_help=True)
 fault_app = typer.Typer(help="Inject faults for tests and drills (they take the real fault paths).",
                         no_args_is_help=True)
 out = WideConsole(highlight=False)
@@ -117,10 +117,43 @@ def create(
                 out.print(f"waiting for {g['count'] + g['spares']} agents of group {g['name']}; on each host "
                           f"(with a copy of the token file):\n  phalanx agent --controller {info['controller']['api']} "
                           f"--token-file {ClusterPaths.for_name(info['name']).token} --group {g['name']}", soft_wrap=True)
+        if info["backend"] == "slurm" and info["status"] == "creating":
+            out.print("Slurm allocates the nodes and starts their agents (`squeue --name "
+                      f"phalanx-{info['name']}` shows the allocation)", soft_wrap=True)
 
     # CreateFailed (a ClusterError) → exit 1 with the failed node, its reason and the script's output tail
     info = _guard(lambda: create_cluster(file, timeout_s=timeout, on_status=show))
     _print_describe(info)
+
+
+@cluster_app.command("up")
+def up(
+    file: Path = typer.Option(..., "--file", "-f", help="cluster spec (YAML or JSON); its backend becomes slurm"),
+    slurm: bool = typer.Option(False, "--slurm", help="inside a Slurm allocation (a batch script, salloc): its "
+                                                     "nodes are the cluster's"),
+    run: Optional[Path] = typer.Option(None, "--run", help="a training config: submit it with auto-resume, wait for "
+                                                           "it, delete the cluster, exit 0 / 3 (do not requeue) / "
+                                                           "75 (requeued)"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", help="with --run: nodes for the job (default: the "
+                                                                     "group's count)"),
+    recovery: Optional[str] = typer.Option(None, "--recovery", help="with --run: restart or checkpointless"),
+    timeout: float = typer.Option(600.0, help="seconds to wait for every node to be healthy"),
+) -> None:
+    """Bring a cluster up in the Slurm allocation this runs in (`sbatch recipes/slurm/run.sbatch`)."""
+    from phalanx.control.backends.slurm import SlurmError
+    from phalanx.control.client.slurm_up import cluster_up
+
+    if not slurm:
+        _fail("cluster up needs --slurm (inside a Slurm allocation); elsewhere use `phalanx cluster create -f SPEC`", 2)
+
+    def guarded() -> int:
+        try:
+            return cluster_up(file, run=run, nodes=nodes, recovery=recovery, timeout_s=timeout,
+                              say=lambda line: out.print(line, soft_wrap=True))
+        except SlurmError as e:
+            _fail(str(e), 1)
+
+    raise typer.Exit(_guard(guarded))
 
 
 @cluster_app.command("describe")

@@ -36,7 +36,7 @@ from phalanx.control.backends.local import CONTROLLER_MODULE, process_running
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import (PRIVATE_UMASK, ClusterPaths, list_clusters, open_private_log, phalanx_home,
                                    write_private)
-from phalanx.control.spec import ClusterSpec, SpecError, check_backend_supported, load_spec
+from phalanx.control.spec import ClusterSpec, SpecError, load_spec
 from phalanx.control.state.store import ClusterStatus, NodeState, Store, open_existing
 
 
@@ -213,7 +213,13 @@ def create_cluster(spec: ClusterSpec | Path | str, *, timeout_s: float = 300.0, 
     started), ClusterError, or CreateFailed (which node failed and why; everything already stopped)."""
     if not isinstance(spec, ClusterSpec):
         spec = load_spec(spec)
-    check_backend_supported(spec)
+    if spec.backend == "slurm":  # no sbatch, slurmctld down, an unknown partition: say so before starting anything
+        from phalanx.control.backends.slurm import SlurmError, preflight
+
+        try:
+            preflight(spec)
+        except SlurmError as err:
+            raise ClusterRefused(f"{err} (nothing was started)") from None
     paths = ClusterPaths.for_name(spec.name)
     if paths.root.exists():
         raise ClusterRefused(f"cluster {spec.name!r} already exists at {paths.root}; choose another name, or "

@@ -60,7 +60,7 @@ class Admission:
                                            "is unknown to Phalanx (use --auto-resume to rerun it on a fault)")
             auto_resume = True  # recovering in place is resuming; the checkpoint stays the fallback
         jobs_root = str(self.jobs_root)
-        if self.spec.backend == "hosts" and kind == "train":
+        if self.spec.backend in ("hosts", "slurm") and kind == "train":
             # nodes on other hosts share only the checkpoint directory with the controller: the job's config and
             # rank logs live beside its checkpoints, not in the controller's cluster directory
             jobs_root = str(job_run_dir(cwd, checkpoint_dir) / ".phalanx" / self.spec.name)

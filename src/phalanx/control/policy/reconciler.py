@@ -4,9 +4,9 @@ in SQLite, so a restarted controller picks up exactly where the last one stopped
 
 Each tick:
   observe   advance every node from the agents' reports (registered → configuring → health-checking →
-            healthy) or mark it faulty: agent process gone, no heartbeat within heartbeat_timeout_s (timed
-            from the later of the last heartbeat and this controller's start), lifecycle script failed,
-            health check failed, never registered within provision_timeout_s
+            healthy) or mark it faulty: agent process gone, taken by its scheduler (Slurm), no heartbeat
+            within heartbeat_timeout_s (timed from the later of the last heartbeat and this controller's
+            start), lifecycle script failed, health check failed, never registered within provision_timeout_s
   creation  while the cluster is `creating`: any faulty node fails the creation (everything is stopped);
             all nodes healthy → `in-service`
   jobs      `JobScheduler.observe`: finish, stop or classify job generations (a hang marks its node faulty)
@@ -15,7 +15,8 @@ Each tick:
             is retired. node_recovery=none: faulty nodes stay for the operator
   jobs      `JobScheduler.advance`: start the next generation of pending/recovering jobs on healthy nodes
   retire    replacing nodes: SIGTERM, SIGKILL after a grace period, then terminated
-  refill    provision nodes until every group has `count` members and `spares` spares
+  refill    provision nodes until every group has `count` members and `spares` spares; the backend starts
+            them (`flush`: Slurm gets one allocation for the nodes of one tick)
 
 One log line per fault says what happened and what happens next. Knows nothing about HTTP; reaches
 processes only through the backend.
@@ -72,6 +73,8 @@ class Reconciler:
             self.update_status()
         self.retire(now)
         self.refill(creating=status == ClusterStatus.CREATING)
+        for node, why in self.backend.flush():  # Slurm: one allocation for the nodes provisioned this tick
+            self.fault(self.store.node(node.name) or node, f"could not start the agent: {why}", "agent-start-failed")
 
     # ---- observe ------------------------------------------------------------------------------------
     def observe(self, node: Node, now: float) -> None:
@@ -79,13 +82,17 @@ class Reconciler:
         gone = self.backend.gone(node) if node.handle else None
         if gone:
             return self.fault(node, gone, "agent-gone")
+        taken = self.backend.taken(node)  # Slurm drained it, ended its job, or never started it
+        if taken:
+            return self.fault(node, taken, "scheduler")
         state, report = node.state, node.report or {}
         if state == S.PROVISIONING:
             if node.last_heartbeat is None:
-                if not node.handle:  # the hosts backend: the node waits for an agent to join it, however long
+                if not node.handle:  # hosts, slurm: the node waits for an agent to join it (slurm: `taken` times out)
+                    how = (f"on a host, `phalanx agent --controller URL --token-file F --group {node.group}`"
+                           if self.spec.backend == "hosts" else "Slurm starts it")
                     self._say_once(f"join:{node.name}", f"node {node.name} waits for an agent to join group "
-                                   f"{node.group}: on a host, `phalanx agent --controller URL --token-file F "
-                                   f"--group {node.group}`")
+                                   f"{node.group}: {how}")
                     return
                 if now - node.state_since > h.provision_timeout_s:
                     self.fault(node, f"agent did not register within provision_timeout_s={h.provision_timeout_s:g}",
@@ -152,6 +159,7 @@ class Reconciler:
         assert cause in FAULT_CAUSES, cause
         self.store.transition(node.name, S.FAULTY, reason, fault_cause=cause)
         self.store.count("node_faults", cause)
+        self.backend.remediate(node, reason, cause)  # Slurm: drain it
         if node.state in BRINGUP_STATES:
             g = next(g for g in self.store.groups() if g["name"] == node.group)
             self.store.update_group(node.group, provision_failures=g["provision_failures"] + 1)

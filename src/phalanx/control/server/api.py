@@ -165,8 +165,8 @@ def build_app(ctl) -> FastAPI:
                                      f"waiting yet; retry in a moment")
         if node is None:
             which = f"node {req.name!r} of group {req.group}" if req.name else f"no node of group {req.group}"
-            why = ("the local backend starts its own agents (backend: hosts takes joining agents)"
-                   if spec.backend != "hosts" else
+            why = ("the local backend starts its own agents (backends hosts and slurm take joining agents)"
+                   if spec.backend == "local" else
                    "every member and spare has its agent; a node waits for one when the group grows or a "
                    "faulty node is replaced")
             raise HTTPException(409, f"{which} waits for an agent: {why}")

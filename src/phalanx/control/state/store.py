@@ -58,7 +58,7 @@ BRINGUP_STATES = (S.PROVISIONING, S.CONFIGURING, S.HEALTH_CHECKING)
 # Why a node went faulty (`nodes.fault_cause`, set by the reconciler): the bounded label of /metrics' node
 # faults and replacements.
 FAULT_CAUSES = ("agent-gone", "heartbeat-timeout", "provision-timeout", "bringup-failed", "health-check",
-                "deep-check", "hang", "straggler", "agent-start-failed")
+                "deep-check", "hang", "straggler", "agent-start-failed", "scheduler")
 
 
 class IllegalTransition(RuntimeError):

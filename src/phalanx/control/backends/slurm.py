@@ -1,0 +1,373 @@
+"""The `slurm` backend: Slurm allocates the nodes and starts their agents; Phalanx does the rest.
+
+Slurm owns allocations, job ids, node states and requeue. Phalanx owns the agents, rendezvous, health, fault
+classification, spares and the checkpoint/checkpointless policy. A node of this backend is a `hosts` node
+(its agent joins the cluster over the API) whose agent Slurm starts:
+
+    launch(node)     queued; `flush()` at the end of the reconciler's tick submits one allocation per group for
+                     the nodes queued together: at creation that is every member and spare of the group, later
+                     a one-node job per replacement. `sbatch --parsable --no-kill --requeue --open-mode=append
+                     --signal=B:USR2@120 --nodes N`, whose batch script runs one long `srun --no-kill
+                     --kill-on-bad-exit=0 --ntasks-per-node=1` step: `phalanx agent` on every node, which joins
+                     the cluster (`POST /v1/join`) with the handle `slurm:<job id>:<Slurm node>:<pid>`
+    taken(node)      Slurm took the node away or will not give it: its allocation pends past
+                     `slurm.allocation_timeout_s` (squeue's reason says why), its job ended, or its Slurm node
+                     was drained or went down and not by Phalanx. The reconciler replaces it (fault
+                     `scheduler`)
+    remediate(node)  a faulty node goes back to Slurm through `slurm.remediator`: drain (`scontrol update
+                     nodename=X state=drain reason="phalanx: <fault>"`), hyperpod (reason `Action:Replace`),
+                     report (an event only)
+    forget(node)     when every node of an allocation is gone, the allocation is cancelled (scancel)
+    teardown/sweep   scancel every job of the cluster (they are named `phalanx-<cluster>`)
+
+What Slurm says is read by one poller thread (`squeue` and `sinfo`, once a second), so the reconciler never
+waits on slurmctld; while Slurm cannot be reached, nodes are judged by their heartbeats alone.
+`preflight(spec)` runs before a cluster is created: the client commands, slurmctld, and `sbatch --test-only`
+for each group's allocation (an unknown partition or account is refused before anything starts).
+
+Implements `base.Backend` (as `hosts.HostsBackend`, plus Slurm). Knows nothing about HTTP or jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from phalanx.control.backends.hosts import HostsBackend
+from phalanx.control.spec import ClusterSpec
+from phalanx.control.state.paths import ClusterPaths
+from phalanx.control.state.store import Node
+from phalanx.observability.events import EventKind as E
+
+log = logging.getLogger("phalanx.slurm")
+COMMANDS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel")
+COMMAND_TIMEOUT_S = 30.0
+POLL_S = 1.0
+LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+SLURM_STATES_TAKEN = ("drain", "down", "fail", "maint", "reboot")  # sinfo %T words that take a node from a job
+
+
+class SlurmError(RuntimeError):
+    """Slurm refused or could not be reached; the message says what it answered."""
+
+
+def slurm(*argv: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    """Run a Slurm client command; its stdout. SlurmError with its stderr when it fails or hangs."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmError(f"`{argv[0]}` is not on PATH: run Phalanx on a host with Slurm's client commands "
+                         f"(Debian: slurm-client) and SLURM_CONF pointing at the cluster's slurm.conf") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv[:3])} ...` did not answer within {timeout:g} s (is slurmctld "
+                         f"reachable?)") from None
+    if done.returncode != 0:
+        said = "; ".join(line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip())
+        said = said or f"exit {done.returncode}"
+        raise SlurmError(said if said.startswith(argv[0]) else f"{argv[0]}: {said}")
+    return done.stdout
+
+
+def allocation_options(spec: ClusterSpec, group: str, nodes: int) -> list[str]:
+    """sbatch options for `nodes` nodes of `group` (what `preflight` tests and `flush` submits)."""
+    s = spec.slurm_settings
+    opts = ["--job-name", f"phalanx-{spec.name}", "--nodes", str(nodes), "--ntasks-per-node=1", "--no-kill",
+            "--requeue", "--exclusive", "--open-mode=append", "--signal=B:USR2@120",
+            f"--comment=phalanx cluster {spec.name} group {group}"]
+    if s.partition:
+        opts.append(f"--partition={s.partition}")
+    if s.account:
+        opts.append(f"--account={s.account}")
+    return opts + list(s.sbatch_options)
+
+
+def preflight(spec: ClusterSpec) -> None:
+    """Before anything starts: Slurm's client commands are here, slurmctld answers, and Slurm would accept
+    each group's allocation (`sbatch --test-only`: partition, account, node count). SlurmError saying which."""
+    missing = [c for c in COMMANDS if shutil.which(c) is None]
+    if missing:
+        raise SlurmError(f"backend slurm: {', '.join(missing)} not on PATH; run `phalanx cluster create` on a host "
+                         f"with Slurm's client commands (Debian: slurm-client) and SLURM_CONF set")
+    try:
+        slurm("scontrol", "ping", timeout=15)
+    except SlurmError as err:
+        raise SlurmError(f"backend slurm: slurmctld is not reachable ({err}); start it or point SLURM_CONF at "
+                         f"the right slurm.conf") from None
+    for g in spec.instance_groups:
+        n = g.count + g.spares
+        try:
+            slurm("sbatch", "--test-only", *allocation_options(spec, g.name, n), "--wrap", "true", timeout=15)
+        except SlurmError as err:
+            where = ", ".join(f"{k} {v}" for k, v in (("partition", spec.slurm_settings.partition),
+                                                         ("account", spec.slurm_settings.account)) if v)
+            raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({n} nodes: "
+                             f"count {g.count} + spares {g.spares}{', ' + where if where else ''}): {err}. Fix "
+                             f"slurm.partition, slurm.account, slurm.sbatch_options or the group's count/spares") from None
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    id: str
+    state: str
+    reason: str
+    nodes: str
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    name: str
+    state: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SlurmView:
+    at: float
+    jobs: dict[str, SlurmJob]
+    nodes: dict[str, SlurmNode]
+
+
+class SlurmPoller:
+    """What Slurm says about the cluster's jobs and every node, refreshed once a second by one thread."""
+
+    def __init__(self, job_name: str, allocation: str | None = None):
+        self.job_name = job_name
+        self.allocation = allocation  # the job `cluster up --slurm` runs in (named as its user chose)
+        self.view: SlurmView | None = None  # None until Slurm answered once
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._failing = False
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="slurm-poller", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def poll(self) -> SlurmView:
+        jobs = {}
+        lines = slurm("squeue", "-h", "--name", self.job_name, "-o", "%i|%T|%r|%N").splitlines()
+        if self.allocation:
+            lines += slurm("squeue", "-h", "--jobs", self.allocation, "-o", "%i|%T|%r|%N").splitlines()
+        for line in lines:
+            job_id, state, reason, nodes = (line.split("|") + ["", "", ""])[:4]
+            jobs[job_id] = SlurmJob(job_id, state, reason, nodes)
+        nodes = {}
+        for line in slurm("sinfo", "-h", "-N", "-o", "%N|%T|%E").splitlines():
+            name, state, reason = (line.split("|", 2) + ["", ""])[:3]
+            nodes[name] = SlurmNode(name, state, reason)
+        return SlurmView(time.time(), jobs, nodes)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.view = self.poll()
+                if self._failing:
+                    log.info("Slurm answers again")
+                self._failing = False
+            except SlurmError as err:
+                if not self._failing:
+                    log.warning("cannot read Slurm's state (%s); next: judging nodes by heartbeats only, retrying",
+                                err)
+                self._failing = True
+            self._stop.wait(POLL_S)
+
+
+class SlurmBackend(HostsBackend):
+    def __init__(self, paths: ClusterPaths, spec: ClusterSpec, store=None):
+        super().__init__(paths, spec, store)
+        self.settings = spec.slurm_settings
+        self.job_name = f"phalanx-{spec.name}"
+        self.poller = SlurmPoller(self.job_name, self.settings.allocation)
+        self._queued: dict[str, list[Node]] = {}  # group → nodes launch() queued this tick
+        self._job_of: dict[str, str] = {}  # node → the Slurm job asked to start its agent
+        self._members: dict[str, set[str]] = {}  # Slurm job → its nodes not yet forgotten
+        self._submitted: dict[str, float] = {}  # Slurm job → when
+        self._steps: dict[tuple, subprocess.Popen] = {}  # (allocation, group) → the srun of its agents (cluster up)
+        self._allocation_groups: set[str] = set()  # groups whose first nodes run in the allocation
+        self._allocation_used = 0  # its nodes given to groups so far
+
+    # ---- starting nodes -----------------------------------------------------------------------------
+    def launch(self, node: Node) -> None:
+        self._queued.setdefault(node.group, []).append(node)
+        return None
+
+    def agent_command(self, group: str) -> list[str]:
+        cluster = self.store.cluster()
+        url = f"http://{cluster['api_host']}:{cluster['api_port']}"
+        return [self.settings.python or sys.executable, "-m", "phalanx.control.agent.node_agent", "--join", url,
+                "--token-file", str(self.paths.token), "--group", group, "--work-root", self.settings.work_root]
+
+    def batch_script(self, group: str, nodes: int) -> str:
+        step = shlex.join([*self.agent_step(nodes), *self.agent_command(group)])
+        # exec: the step is the batch step's own process, which Slurm signals and ends (a backgrounded srun
+        # outlives its killed shell under proctrack/linuxproc); USR2 (--signal=B:USR2@120) reaches the agents
+        return (f"#!/bin/bash\n"
+                f"# Phalanx cluster {self.spec.name}, instance group {group}: one agent on every node of this\n"
+                f"# allocation; each joins the cluster's controller. Written by Phalanx's slurm backend.\n"
+                f"exec {step}\n")
+
+    def agent_step(self, nodes: int) -> list[str]:
+        """The `srun` that starts one agent on each of `nodes` nodes (every resource of the node: its workers run
+        under the agent, in the step's cgroup)."""
+        return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1", "--whole", "--nodes", str(nodes)]
+
+    def _start_in_allocation(self, group: str, nodes: list[Node]) -> str:
+        """`cluster up --slurm`: the group's first agents run as a step of the allocation this controller runs in,
+        on the allocation's next unused nodes (`--relative`)."""
+        job, used = self.settings.allocation, self._allocation_used
+        self._allocation_used += len(nodes)
+        self._allocation_groups.add(group)
+        folder = self.paths.root / "slurm"
+        folder.mkdir(exist_ok=True)
+        with open(folder / f"{job}.{group}.out", "ab") as out:
+            self._steps[(job, group)] = subprocess.Popen(
+                [*self.agent_step(len(nodes)), f"--jobid={job}", f"--relative={used}", "--overlap",
+                 *self.agent_command(group)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        return job
+
+    def flush(self) -> list[tuple[Node, str]]:
+        """Submit one allocation per group for the nodes queued this tick; the nodes Slurm refused, and why."""
+        failed = []
+        queued, self._queued = self._queued, {}
+        for group, nodes in queued.items():
+            folder = self.paths.root / "slurm"
+            folder.mkdir(exist_ok=True)
+            if self.settings.allocation and group not in self._allocation_groups:
+                job = self._start_in_allocation(group, nodes)  # the first nodes: the allocation we run in
+                self._record(job, group, nodes, f"a step of Slurm job {job} (this allocation)")
+                continue
+            script = folder / f"{group}-{nodes[0].name}.sh"
+            script.write_text(self.batch_script(group, len(nodes)))
+            argv = ["sbatch", "--parsable", *allocation_options(self.spec, group, len(nodes)),
+                    f"--output={folder}/%j.out", str(script)]
+            try:
+                job = slurm(*argv).strip().split(";")[0]
+            except SlurmError as err:
+                failed.extend((n, f"Slurm refused the allocation: {err}") for n in nodes)
+                continue
+            self._record(job, group, nodes, f"Slurm job {job}")
+        return failed
+
+    def _record(self, job: str, group: str, nodes: list[Node], what: str) -> None:
+        self.poller.start()
+        self._submitted[job] = time.time()
+        self._members.setdefault(job, set()).update(n.name for n in nodes)
+        for n in nodes:
+            self._job_of[n.name] = job
+        what = f"{what}: {len(nodes)} nodes of group {group} ({', '.join(n.name for n in nodes)})"
+        log.info("started %s; next: each node's agent joins once Slurm starts it", what)
+        if self.store is not None:
+            self.store.record_event(E.WAITING, f"started {what}; output in {self.paths.root / 'slurm'}")
+
+    # ---- what Slurm says ----------------------------------------------------------------------------
+    @staticmethod
+    def slurm_place(node: Node) -> tuple[str, str] | None:
+        """(job id, Slurm node name) of a joined node, from its handle `slurm:<job>:<node>:<pid>`."""
+        parts = (node.handle or "").split(":")
+        return (parts[1], parts[2]) if len(parts) == 4 and parts[0] == "slurm" else None
+
+    def taken(self, node: Node) -> str | None:
+        view = self.poller.view
+        if view is None or node.name in self._told:
+            return None  # Slurm not heard yet (or unreachable): heartbeats judge the node
+        place = self.slurm_place(node)
+        if place is None:  # not joined yet: what is its allocation doing?
+            job_id = self._job_of.get(node.name)
+            submitted = self._submitted.get(job_id or "")
+            if job_id is None or submitted is None or view.at < submitted + POLL_S:
+                return None
+            step = self._steps.get((job_id, node.group))
+            if step is not None and step.poll() is not None:
+                return (f"the srun step starting the agents in Slurm job {job_id} exited with code {step.returncode} "
+                        f"before this node's agent joined; see {self.paths.root / 'slurm'}")
+            job = view.jobs.get(job_id)
+            if job is None or job.state not in LIVE_JOB_STATES:
+                return (f"its Slurm job {job_id} ended ({job.state if job else 'gone from squeue'}) before its agent "
+                        f"joined; see {self.paths.root / 'slurm' / f'{job_id}.out'}")
+            waited = view.at - submitted
+            if job.state == "PENDING" and waited > self.settings.allocation_timeout_s:
+                self._cancel(job_id, "pending past slurm.allocation_timeout_s")
+                return (f"its Slurm job {job_id} was still pending after {waited:.0f} s (squeue reason: {job.reason}; "
+                        f"slurm.allocation_timeout_s={self.settings.allocation_timeout_s:g}); cancelled it")
+            return None
+        job_id, host = place
+        job = view.jobs.get(job_id)
+        if job is None or job.state not in LIVE_JOB_STATES:
+            return f"its Slurm job {job_id} ended ({job.state if job else 'gone from squeue'})"
+        slurm_node = view.nodes.get(host)
+        if slurm_node and any(w in slurm_node.state for w in SLURM_STATES_TAKEN) \
+                and not slurm_node.reason.startswith(("phalanx", "Action:Replace")):
+            return (f"Slurm node {host} is {slurm_node.state} (reason: {slurm_node.reason or 'none given'}): Slurm or "
+                    f"an operator took it from the job")
+        return None
+
+    def remediate(self, node: Node, reason: str, cause: str) -> None:
+        """Hand a faulty node back to Slurm as the spec's remediator says (in a thread: slurmctld may be slow)."""
+        place = self.slurm_place(node)
+        if place is None or cause == "scheduler":
+            return  # never joined (no Slurm node to name), or Slurm took it itself
+        host = place[1]
+        first = reason.splitlines()[0] if reason else cause
+        if self.settings.remediator == "report":
+            self._event(f"Slurm node {host} of {node.name} is faulty ({cause}: {first}); remediator report: "
+                        f"nothing asked of Slurm", node)
+            return
+        why = "Action:Replace" if self.settings.remediator == "hyperpod" else f"phalanx: {cause}: {first}"[:200]
+
+        def drain() -> None:
+            try:
+                slurm("scontrol", "update", f"nodename={host}", "state=drain", f"reason={why}")
+                self._event(f"Slurm node {host} of {node.name} drained (reason {why!r}); Slurm keeps it from "
+                            f"new jobs until an operator resumes it", node)
+            except SlurmError as err:
+                self._event(f"could not drain Slurm node {host} of {node.name}: {err}", node)
+
+        threading.Thread(target=drain, name=f"drain-{host}", daemon=True).start()
+
+    def _event(self, line: str, node: Node) -> None:
+        log.info("%s", line)
+        if self.store is not None:
+            self.store.record_event(E.REMEDIATED, line, node=node.name)
+
+    # ---- stopping -----------------------------------------------------------------------------------
+    def forget(self, node: Node) -> None:
+        super().forget(node)
+        place = self.slurm_place(node)
+        job_id = place[0] if place else self._job_of.get(node.name)
+        self._job_of.pop(node.name, None)
+        members = self._members.get(job_id or "")
+        if members is not None:
+            members.discard(node.name)
+            if not members and job_id != self.settings.allocation:  # every node it ran is gone: give it back
+                self._members.pop(job_id)
+                self._cancel(job_id, "every node of it has left the cluster")
+
+    def _cancel(self, job_id: str, why: str) -> None:
+        try:
+            slurm("scancel", job_id, timeout=15)
+            log.info("cancelled Slurm job %s: %s", job_id, why)
+        except SlurmError as err:
+            log.warning("could not cancel Slurm job %s (%s): %s", job_id, why, err)
+
+    def teardown(self, nodes: list[Node], grace_s: float) -> int:
+        return len(self.sweep(nodes))
+
+    def sweep(self, nodes: list[Node]) -> list[int]:
+        """Cancel every Slurm job of the cluster; [] (no local pids: Slurm ends the processes)."""
+        self.poller.stop()
+        try:
+            slurm("scancel", "--name", self.job_name, timeout=15)
+        except SlurmError as err:
+            log.warning("could not cancel the Slurm jobs named %s: %s", self.job_name, err)
+        return []
+

@@ -1,0 +1,231 @@
+"""A real Slurm on this machine for the Slurm tests: slurmctld and one slurmd per emulated node (n1..nN, each
+on its own port, all on 127.0.0.1), munge for authentication, every config and state file in one directory.
+Follows ../shared/notes/slurm-local.md (Debian 12, Slurm 22.05, as root).
+
+    slurm = LocalSlurm(tmp_path / "slurm", nodes=4); slurm.start()   # ready: every node idle
+    slurm.env                 # SLURM_CONF for the clients (sbatch, squeue, scontrol) and for Phalanx
+    slurm.kill_slurmd("n2")   # a node's slurmd dies (its steps' processes live on: kill those separately)
+    slurm.stop()              # every daemon this harness started (munged only if it started it)
+
+`LocalSlurm.available()` says why Slurm cannot be run here (not root, packages missing); the tests fail on
+it rather than skip (CI runs as root and `make test` installs slurm-wlm and munge).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("slurmctld", "slurmd", "sbatch", "munged")
+
+
+class LocalSlurm:
+    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2, port_base: int | None = None):
+        self.root = Path(root).resolve()  # daemons chdir to /: every path they get is absolute
+        self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
+        self.cpus = cpus
+        base = port_base or 6900 + (os.getpid() % 500) * 10
+        self.ctld_port, self.node_port = base, base + 1
+        self.conf = self.root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.started_munge = False
+
+    @staticmethod
+    def available() -> str | None:
+        if os.geteuid() != 0:
+            return "the Slurm daemons of the test need root"
+        missing = [d for d in DAEMONS if shutil.which(d) is None]
+        if missing:
+            return f"{', '.join(missing)} not installed: install the Debian packages slurm-wlm and munge"
+        return None
+
+    def _write_configs(self) -> None:
+        for d in ("state", "spool", "log"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        (self.root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n"
+                                               "CgroupAutomount=no\n")
+        host, r = socket.gethostname(), self.root
+        last = self.node_port + len(self.nodes) - 1
+        self.conf.write_text(f"""ClusterName=phxtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={self.ctld_port}
+AuthType=auth/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/%n
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd-%n.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobRequeue=1
+SlurmdTimeout=30
+KillWait=5
+MinJobAge=30
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{self.node_port}-{last}] CPUs={self.cpus} RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+""")
+
+    def run(self, *argv: str, check: bool = True, timeout: float = 30, env: dict | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+        done = subprocess.run(list(argv), env=env or self.env, capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+        return done
+
+    def start(self, timeout: float = 60) -> None:
+        why = self.available()
+        if why:
+            raise RuntimeError(f"cannot run Slurm here: {why}")
+        self._write_configs()
+        if subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:
+            key = Path("/etc/munge/munge.key")
+            if not key.exists():
+                subprocess.run(["mungekey", "--create"], check=True, capture_output=True, timeout=30)
+            subprocess.run(["/etc/init.d/munge", "start"], check=True, capture_output=True, timeout=30)
+            self.started_munge = True
+        self.run("slurmctld", "-f", str(self.conf))
+        for n in self.nodes:
+            self.run("slurmd", "-f", str(self.conf), "-N", n)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = self.node_states()
+            if len(states) == len(self.nodes) and all(s.startswith("idle") for s in states.values()):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"Slurm did not come up within {timeout:.0f} s: node states {self.node_states()}; "
+                           f"slurmctld log tail:\n{self.log_tail('slurmctld')}")
+
+    def node_states(self) -> dict[str, str]:
+        done = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
+        return dict(line.split() for line in done.stdout.splitlines() if line.strip())
+
+    def node_reason(self, node: str) -> str:
+        return self.run("sinfo", "-h", "-n", node, "-o", "%E").stdout.strip()
+
+    def jobs(self) -> list[dict]:
+        done = self.run("squeue", "-h", "-o", "%i|%j|%T|%N|%r|%k", check=False)
+        keys = ("id", "name", "state", "nodes", "reason", "comment")
+        return [dict(zip(keys, line.split("|"))) for line in done.stdout.splitlines() if line.strip()]
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.root / "log" / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+    def _pid(self, name: str) -> int | None:
+        try:
+            return int((self.root / f"{name}.pid").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def stepds(self, node: str | None = None) -> list[int]:
+        """The slurmstepd processes of this Slurm (their environment names its slurm.conf); of one node's slurmd
+        when given (a step daemon keeps its node's slurmd log open)."""
+        mine, log = f"SLURM_CONF={self.conf}".encode(), str(self.root / "log" / f"slurmd-{node}.log")
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                if not (entry.isdigit() and Path(f"/proc/{entry}/comm").read_text().strip() == "slurmstepd"
+                        and mine in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")):
+                    continue
+                if node is None or any(os.readlink(f"/proc/{entry}/fd/{fd}") == log
+                                       for fd in os.listdir(f"/proc/{entry}/fd")):
+                    found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    def kill_node(self, node: str) -> list[int]:
+        """The host `node` dies: its slurmd, every step daemon on it and every process they started (SIGKILL).
+        Slurm hears of it when its slurmd stays silent for SlurmdTimeout, or at once from `mark_down`."""
+        from phalanx.control.agent.join import descendants
+
+        self.kill_slurmd(node)
+        killed = []
+        for stepd in self.stepds(node):
+            for pid in [*descendants(stepd), stepd]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+        return killed
+
+    def kill_slurmd(self, node: str) -> None:
+        pid = self._pid(f"slurmd-{node}")
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+
+    def reset(self, timeout: float = 60) -> None:
+        """Between tests: every job cancelled, every slurmd running, every node resumed and idle."""
+        self.run("scancel", "--full", "--user", "root", check=False, timeout=10)
+        for n in self.nodes:
+            pid = self._pid(f"slurmd-{n}")
+            if not (pid and _alive(pid)):
+                self.run("slurmd", "-f", str(self.conf), "-N", n)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = self.node_states()
+            if not self.jobs() and all(s == "idle" for s in states.values()) and len(states) == len(self.nodes):
+                return
+            blocked = [n for n, s in states.items() if any(w in s for w in ("drain", "down", "fail"))]
+            if blocked:
+                self.run("scontrol", "update", f"nodename={','.join(blocked)}", "state=resume", check=False)
+            time.sleep(0.3)
+        raise RuntimeError(f"Slurm did not settle within {timeout:.0f} s: {self.node_states()}, jobs {self.jobs()}")
+
+    def stop(self) -> None:
+        """Stop every daemon this harness started; cancel every job first (their processes end with them)."""
+        if not self.conf.exists():
+            return
+        self.run("scancel", "--full", "--user", "root", check=False, timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and self.jobs():
+            time.sleep(0.2)
+        pids = [p for p in (self._pid("slurmctld"), *(self._pid(f"slurmd-{n}") for n in self.nodes)) if p]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for pid in self.stepds():  # slurmstepd outlives a killed slurmd: end whatever step of this Slurm is left
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.started_munge:
+            subprocess.run(["/etc/init.d/munge", "stop"], capture_output=True, timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

@@ -1,0 +1,214 @@
+"""The Slurm backend on a real Slurm (tests/slurm.py: slurmctld and four slurmd, n1..n4, on this machine, munge
+for authentication; Debian's slurm-wlm). `backend: slurm` asks Slurm for one allocation of members + spares,
+whose `srun` step starts an agent on every node; the agents join the cluster; Phalanx does the rest.
+
+Drills, end to end with real processes:
+- a node's slurmd and agent (and its workers) are killed mid-training: the checkpointless job carries on on the
+  spare with the same loss at every step as a run without faults; the dead node is drained with the fault as
+  Slurm's reason; a one-node job refills the spare pool on the free node.
+- an operator drains a node a restart job trains on: Phalanx replaces it (fault `scheduler`), the job resumes
+  from its checkpoint on the spare, and the operator's reason stays as it was.
+- the recipe's two-line batch script (`sbatch recipes/slurm/run.sbatch`: `phalanx cluster up --slurm --run`)
+  trains a restart job on a cluster inside its allocation; its batch host dies (slurmd and every process of
+  the batch step killed, the node marked down): Slurm requeues the job, the script starts again on the
+  remaining nodes, removes the cluster its first run left, and the job resumes from its checkpoint to the end.
+- bad input and bad weather get one clear error and leave nothing behind: no Slurm commands on PATH,
+  slurmctld unreachable, an unknown partition, an allocation pending past its timeout (squeue's reason).
+
+Needs root for the daemons (CI runs as root; `make test` installs slurm-wlm and munge): fails, never skips,
+when Slurm cannot be brought up.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clusters import home, wait_for  # noqa: F401  (home is a fixture)
+from phalanx.control.client.cluster import ClusterClient, ClusterRefused, CreateFailed, create_cluster, delete_cluster
+from phalanx.control.client.jobs import JobClient
+from phalanx.control.state.paths import ClusterPaths, list_clusters
+from slurm import LocalSlurm
+from test_checkpointless import assert_same_losses, records
+from test_hosts import STEPS, config_for, reference  # noqa: F401  (reference is a fixture)
+from test_jobs import step_at_least, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def slurm_daemons(tmp_path_factory):
+    why = LocalSlurm.available()
+    if why:
+        pytest.fail(f"the Slurm tests need a real Slurm: {why} (`make test` installs it when run as root)")
+    s = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=4)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def slurm(slurm_daemons, home, monkeypatch):
+    """The module's Slurm, every node idle; SLURM_CONF set for Phalanx. Afterwards: every cluster deleted,
+    every job cancelled, every node back in service."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_daemons.conf))
+    yield slurm_daemons
+    tracebacks = [f"{name}: {log[-3000:]}" for name in list_clusters()
+                  if "Traceback" in (log := ClusterPaths.for_name(name).controller_log.read_text())]
+    names = {f"phalanx-{name}" for name in list_clusters()}  # the Slurm jobs the backend submitted
+    try:
+        for name in list_clusters():
+            delete_cluster(name, timeout_s=30)  # the backend cancels the cluster's Slurm jobs
+        # cancelled (a job on a node whose slurmd was killed stays COMPLETING until Slurm marks the node down)
+        wait_for(lambda: not [j for j in slurm_daemons.jobs() if j["name"] in names and j["state"] != "COMPLETING"],
+                 15, "the cluster's Slurm jobs to be cancelled")
+    finally:
+        slurm_daemons.reset()
+    assert not tracebacks, "\n".join(tracebacks)  # a controller error must not pass silently
+
+
+def create(tmp_path: Path, name: str = "c1", *, count: int = 2, spares: int = 1, **slurm_settings) -> ClusterClient:
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": name, "backend": "slurm",
+        "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares}],
+        "health": {"heartbeat_timeout_s": 4.0, "hang_timeout_s": 60.0},
+        "slurm": {"work_root": str(tmp_path / "agents"), **slurm_settings}}))
+    create_cluster(spec, timeout_s=120)
+    return ClusterClient(name)
+
+
+def place(node: dict) -> tuple[str, str, int]:
+    """(Slurm job id, Slurm node, agent pid) from a node's handle `slurm:<job>:<node>:<pid>`."""
+    kind, job, host, pid = node["handle"].split(":")
+    assert kind == "slurm", node["handle"]
+    return job, host, int(pid)
+
+
+def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(tmp_path, slurm, demo_data, reference):
+    client = create(tmp_path)
+    (alloc,) = slurm.jobs()  # one allocation: members + spares
+    assert alloc["name"] == "phalanx-c1" and alloc["state"] == "RUNNING", alloc
+    assert alloc["comment"] == "phalanx cluster c1 group workers", alloc
+    places = {n["name"]: place(n) for n in client.nodes()}
+    assert {p[0] for p in places.values()} == {alloc["id"]} and len({p[1] for p in places.values()}) == 3, places
+
+    jobs, run_dir = JobClient("c1"), tmp_path / "run"
+    jobs.submit(write_config(tmp_path / "cl.yaml", config_for(run_dir, demo_data, "checkpointless")), nodes=2,
+                auto_resume=True, name="cl")
+    step_at_least(jobs, "cl", 12, timeout=120)
+    victim = jobs.describe("cl")["generations"][0]["nodes"][1]
+    _, host, agent = places[victim]
+    killed = slurm.kill_node(host)  # the node dies: its slurmd, its step daemon, its agent and the agent's workers
+    assert agent in killed
+    info = jobs.wait("cl", timeout_s=180)
+
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    gen1, gen2 = info["generations"]
+    assert gen1["outcome"] == "node-fault" and gen2["nodes"][0] == gen1["nodes"][0] and victim not in gen2["nodes"]
+    assert_same_losses(run_dir, reference, "a Slurm node killed")
+    # the dead node goes back to Slurm drained, the fault as its reason
+    wait_for(lambda: "drain" in slurm.node_states()[host], 30, f"Slurm node {host} to be drained")
+    assert slurm.node_reason(host).startswith("phalanx: heartbeat-timeout"), slurm.node_reason(host)
+    # and a one-node job on the free node refills the spare pool: its agent joins the running cluster
+    free = ({"n1", "n2", "n3", "n4"} - {p[1] for p in places.values()}).pop()
+    spare = wait_for(lambda: next((n for n in client.nodes() if n["is_spare"] and n["state"] == "healthy"), None),
+                     90, "a fresh spare")
+    job_id, spare_host, _ = place(spare)
+    assert job_id != alloc["id"] and spare_host == free, (spare, slurm.jobs())
+    assert {j["id"] for j in slurm.jobs()} >= {alloc["id"], job_id}
+
+
+def test_a_restart_job_moves_off_a_node_an_operator_drains(tmp_path, slurm, demo_data):
+    client = create(tmp_path)
+    jobs, run_dir = JobClient("c1"), tmp_path / "run"
+    jobs.submit(write_config(tmp_path / "rs.yaml", config_for(run_dir, demo_data, "restart")), nodes=2,
+                auto_resume=True, name="rs")
+    step_at_least(jobs, "rs", 12, timeout=120)
+    victim = jobs.describe("rs")["generations"][0]["nodes"][1]
+    host = place(next(n for n in client.nodes() if n["name"] == victim))[1]
+    slurm.run("scontrol", "update", f"nodename={host}", "state=drain", "reason=bad DIMM (operator)")
+    info = jobs.wait("rs", timeout_s=180)
+
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    gen1, gen2 = info["generations"][0], info["generations"][-1]
+    assert gen1["outcome"] == "node-fault" and victim not in gen2["nodes"], info["generations"]
+    _, events = records(run_dir)
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["step"] >= 5, events  # from a checkpoint the first generation committed
+    node = next(n for n in client.nodes() if n["name"] == victim)
+    assert node["fault_cause"] == "scheduler", node
+    faulty = next(e for e in client.events(node=victim) if e.get("to_state") == "faulty")
+    assert f"Slurm node {host} is drain" in faulty["reason"] and "bad DIMM (operator)" in faulty["reason"], faulty
+    assert slurm.node_reason(host) == "bad DIMM (operator)"  # the operator's reason is not overwritten
+
+
+def test_bad_slurm_input_and_weather_get_one_clear_error_and_leave_nothing(tmp_path, slurm, monkeypatch):
+    def refused(match: str, **settings) -> None:
+        with pytest.raises(ClusterRefused, match=match):
+            create(tmp_path, **settings)
+        assert list_clusters() == [] and slurm.jobs() == []  # nothing started, nothing left
+
+    refused(r"instance group workers \(3 nodes: count 2 \+ spares 1, partition nope\): sbatch: error: invalid "
+            r"partition specified: nope.*Fix slurm\.partition", partition="nope")
+    refused(r"Requested node configuration is not available", sbatch_options=["--mincpus=64"])
+    conf = tmp_path / "unreachable.conf"  # a slurm.conf whose controller port nothing listens on
+    conf.write_text(slurm.conf.read_text().replace(f"SlurmctldPort={slurm.ctld_port}", "SlurmctldPort=9"))
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    refused(r"slurmctld is not reachable")
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    refused(r"sbatch, squeue, sinfo, scontrol, scancel not on PATH")
+    monkeypatch.setenv("PATH", path)
+
+    # 2 of the 4 nodes busy: an allocation of 3 pends ("Resources") past its timeout; creation fails saying so
+    blocker = slurm.run("sbatch", "--parsable", "-N", "2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 600").stdout.strip()
+    wait_for(lambda: any(j["id"] == blocker and j["state"] == "RUNNING" for j in slurm.jobs()), 30, "the blocker")
+    with pytest.raises(CreateFailed, match=r"still pending after \d+ s \(squeue reason: Resources"):
+        create(tmp_path, allocation_timeout_s=4)
+    assert [j["id"] for j in slurm.jobs()] == [blocker]  # the pending allocation was cancelled
+
+
+def test_the_recipe_batch_script_trains_in_its_allocation_and_is_requeued_when_its_batch_host_dies(
+        tmp_path, slurm, demo_data):
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "slurm"
+    shutil.copy(recipe / "run.sbatch", tmp_path / "run.sbatch")
+    spec = (recipe / "cluster.yaml").read_text()
+    assert "controller_lost_s: 60 " in spec
+    (tmp_path / "cluster.yaml").write_text(spec.replace("controller_lost_s: 60 ", "controller_lost_s: 8 "))
+    run_dir = tmp_path / "run"
+    write_config(tmp_path / "train.yaml", config_for(run_dir, demo_data, "restart"))
+    script = (tmp_path / "run.sbatch").read_text().replace("--recovery checkpointless", "--recovery restart")
+    (tmp_path / "run.sbatch").write_text(script)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    job = slurm.run("sbatch", "--parsable", "run.sbatch", env=env, cwd=tmp_path).stdout.strip()
+    out = tmp_path / f"phalanx-{job}.out"
+    wait_for(lambda: "job 1 submitted" in (out.read_text() if out.exists() else ""), 120, "the job submitted")
+    jobs = JobClient("slurm-demo")
+    step_at_least(jobs, "1", 12, timeout=120)
+
+    # the batch host dies: its slurmd and every process of the batch step (the controller with it). Under --no-kill
+    # Slurm only removes the node from the job, which would run on without its script: the agents, their
+    # controller silent for slurm.controller_lost_s, ask for the requeue
+    batch_host = slurm.run("squeue", "-h", "-j", job, "-o", "%B").stdout.strip()
+    assert slurm.kill_node(batch_host)
+    slurm.run("scontrol", "update", f"nodename={batch_host}", "state=down", "reason=host died (test)")
+    wait_for(lambda: any(j["id"] == job and j["state"] == "PENDING" for j in slurm.jobs()), 60, "the requeue")
+    slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")  # eligible now, not after Slurm's 120 s
+    wait_for(lambda: not any(j["id"] == job for j in slurm.jobs()), 240, "the requeued job to finish")
+
+    text = out.read_text()
+    assert f"Slurm job {job} was requeued (1 so far): removing the cluster its previous run left" in text, text
+    assert "job 1: succeeded" in text, text[-3000:]
+    assert "ExitCode=0:0" in slurm.run("scontrol", "show", "job", job).stdout
+    steps, events = records(run_dir)
+    assert max(s["step"] for s in steps) == STEPS
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["step"] >= 5, events  # the second run resumed from a committed checkpoint
+    assert list_clusters() == []  # the second run deleted its cluster at the end
