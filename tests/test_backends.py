@@ -14,8 +14,9 @@ import pytest
 
 from phalanx.control.backends import Backend, make_backend
 from phalanx.control.backends.hosts import HostsBackend
-from phalanx.control.backends.slurm import SlurmBackend, SlurmJob, SlurmNode, SlurmView, allocation_options
-from phalanx.control.spec import SpecError, spec_from_dict
+from phalanx.control.backends.slurm import SlurmBackend
+from phalanx.control.backends.slurm_commands import SlurmJob, SlurmNode, SlurmView, allocation_options
+from phalanx.control.spec import SpecError, agent_settings, spec_from_dict
 from phalanx.control.state.paths import ClusterPaths
 from phalanx.control.state.store import Store
 
@@ -265,3 +266,57 @@ def test_a_slurm_section_needs_backend_slurm_and_an_address_the_nodes_reach():
         spec_from_dict({"name": "c1", "backend": "slurm", "api": {"host": "0.0.0.0"}, "instance_groups": [group]})
     spec = spec_from_dict({"name": "c1", "backend": "slurm", "instance_groups": [group]})
     assert spec.slurm is None and spec.slurm_settings.remediator == "drain"
+
+
+# ---- cluster up --slurm: the allocation it runs in, and the requeue fallback ----------------------------------
+def test_cluster_up_slurm_needs_an_allocation_big_enough():
+    from phalanx.control.client.cluster import ClusterRefused
+    from phalanx.control.client.slurm_up import allocation_spec
+
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2, "spares": 1}
+    spec = spec_from_dict({"name": "c1", "api": {"host": "10.0.0.5"}, "instance_groups": [group]})
+    with pytest.raises(ClusterRefused, match="runs inside a Slurm allocation .*SLURM_JOB_ID is not set"):
+        allocation_spec(spec, {})
+    with pytest.raises(ClusterRefused, match=r"3 nodes \(count \+ spares over every group\) but Slurm job 42 has 2: "
+                                             r"submit with `sbatch --nodes 3`"):
+        allocation_spec(spec, {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2"})
+    inside = allocation_spec(spec, {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "3"})
+    assert inside.backend == "slurm" and inside.slurm.allocation == "42" and inside.api.host == "10.0.0.5"
+    assert agent_settings(inside, "workers")["slurm_requeue"] == {"job": "42", "after_s": 60.0}
+    assert agent_settings(spec, "workers")["slurm_requeue"] is None
+
+
+@pytest.mark.parametrize("restarts, code", [(0, 75), (3, 3)])
+def test_a_job_short_of_nodes_past_spare_timeout_is_requeued_until_max_requeues(monkeypatch, restarts, code):
+    """`cluster up --slurm --run`: no spare came for slurm.spare_timeout_s → cancel the job, `scontrol requeue`
+    this allocation, exit 75; once slurm.max_requeues requeues are spent, exit 3 (do not requeue) instead."""
+    from phalanx.control.client import slurm_up
+
+    calls = []
+
+    class Jobs:
+        def __init__(self, name):
+            pass
+
+        def submit(self, config, **kw):
+            return {"id": "1", "nodes_requested": kw["nodes"], "recovery": "restart"}
+
+        def describe(self, job):
+            return {"state": "recovering", "generation": 1, "last_step": 12,
+                    "reason": "waiting for 1 healthy node(s) to replace workers-1 (spare pool: empty)"}
+
+        def cancel(self, job, wait):
+            calls.append(("cancel", job))
+
+    monkeypatch.setattr(slurm_up, "JobClient", Jobs)
+    monkeypatch.setattr(slurm_up, "slurm", lambda *argv, **kw: calls.append(argv) or "")
+    monkeypatch.setattr(slurm_up.time, "sleep", lambda s: None)
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2}
+    spec = spec_from_dict({"name": "c1", "backend": "slurm", "instance_groups": [group],
+                           "slurm": {"allocation": "42", "spare_timeout_s": 0.01, "max_requeues": 3}})
+    said = []
+    assert slurm_up._train(spec, "train.yaml", None, None, said.append, restarts) == code
+    if code == 75:
+        assert calls == [("cancel", "1"), ("scontrol", "requeue", "42")] and "requeueing Slurm job 42" in said[-1]
+    else:
+        assert calls == [] and "already requeued 3 times" in said[-1] and "exit 3 (do not requeue)" in said[-1]

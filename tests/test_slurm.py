@@ -102,7 +102,11 @@ def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(t
     jobs.submit(write_config(tmp_path / "cl.yaml", config_for(run_dir, demo_data, "checkpointless")), nodes=2,
                 auto_resume=True, name="cl")
     step_at_least(jobs, "cl", 12, timeout=120)
-    victim = jobs.describe("cl")["generations"][0]["nodes"][1]
+    first = jobs.describe("cl")["generations"][0]["nodes"]
+    victim = first[1]
+    # squeue stays truthful: the allocation's comment names the Phalanx job each of its nodes runs
+    wait_for(lambda: all(f"{n} runs phalanx job 1" in slurm.jobs()[0]["comment"] for n in first), 10,
+             "the allocation's comment to name the job")
     _, host, agent = places[victim]
     killed = slurm.kill_node(host)  # the node dies: its slurmd, its step daemon, its agent and the agent's workers
     assert agent in killed

@@ -22,8 +22,9 @@ classification, spares and the checkpoint/checkpointless policy. A node of this 
 
 What Slurm says is read by one poller thread (`squeue` and `sinfo`, once a second), so the reconciler never
 waits on slurmctld; while Slurm cannot be reached, nodes are judged by their heartbeats alone.
-`preflight(spec)` runs before a cluster is created: the client commands, slurmctld, and `sbatch --test-only`
-for each group's allocation (an unknown partition or account is refused before anything starts).
+`slurm_commands.preflight(spec)` runs before a cluster is created: the client commands, slurmctld, and
+`sbatch --test-only` for each group's allocation (an unknown partition or account is refused before anything
+starts).
 
 Implements `base.Backend` (as `hosts.HostsBackend`, plus Slurm). Knows nothing about HTTP or jobs.
 """
@@ -32,153 +33,20 @@ from __future__ import annotations
 
 import logging
 import shlex
-import shutil
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from phalanx.control.backends.hosts import HostsBackend
+from phalanx.control.backends.slurm_commands import (LIVE_JOB_STATES, POLL_S, SLURM_STATES_TAKEN, SlurmError,
+                                                     SlurmPoller, SlurmView, allocation_options, slurm)
 from phalanx.control.spec import ClusterSpec
 from phalanx.control.state.paths import ClusterPaths
 from phalanx.control.state.store import Node
 from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.slurm")
-COMMANDS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel")
-COMMAND_TIMEOUT_S = 30.0
-POLL_S = 1.0
-LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
-SLURM_STATES_TAKEN = ("drain", "down", "fail", "maint", "reboot")  # sinfo %T words that take a node from a job
-
-
-class SlurmError(RuntimeError):
-    """Slurm refused or could not be reached; the message says what it answered."""
-
-
-def slurm(*argv: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
-    """Run a Slurm client command; its stdout. SlurmError with its stderr when it fails or hangs."""
-    try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise SlurmError(f"`{argv[0]}` is not on PATH: run Phalanx on a host with Slurm's client commands "
-                         f"(Debian: slurm-client) and SLURM_CONF pointing at the cluster's slurm.conf") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"`{' '.join(argv[:3])} ...` did not answer within {timeout:g} s (is slurmctld "
-                         f"reachable?)") from None
-    if done.returncode != 0:
-        said = "; ".join(line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip())
-        said = said or f"exit {done.returncode}"
-        raise SlurmError(said if said.startswith(argv[0]) else f"{argv[0]}: {said}")
-    return done.stdout
-
-
-def allocation_options(spec: ClusterSpec, group: str, nodes: int) -> list[str]:
-    """sbatch options for `nodes` nodes of `group` (what `preflight` tests and `flush` submits)."""
-    s = spec.slurm_settings
-    opts = ["--job-name", f"phalanx-{spec.name}", "--nodes", str(nodes), "--ntasks-per-node=1", "--no-kill",
-            "--requeue", "--exclusive", "--open-mode=append", "--signal=B:USR2@120",
-            f"--comment=phalanx cluster {spec.name} group {group}"]
-    if s.partition:
-        opts.append(f"--partition={s.partition}")
-    if s.account:
-        opts.append(f"--account={s.account}")
-    return opts + list(s.sbatch_options)
-
-
-def preflight(spec: ClusterSpec) -> None:
-    """Before anything starts: Slurm's client commands are here, slurmctld answers, and Slurm would accept
-    each group's allocation (`sbatch --test-only`: partition, account, node count). SlurmError saying which."""
-    missing = [c for c in COMMANDS if shutil.which(c) is None]
-    if missing:
-        raise SlurmError(f"backend slurm: {', '.join(missing)} not on PATH; run `phalanx cluster create` on a host "
-                         f"with Slurm's client commands (Debian: slurm-client) and SLURM_CONF set")
-    try:
-        slurm("scontrol", "ping", timeout=15)
-    except SlurmError as err:
-        raise SlurmError(f"backend slurm: slurmctld is not reachable ({err}); start it or point SLURM_CONF at "
-                         f"the right slurm.conf") from None
-    for g in spec.instance_groups:
-        n = g.count + g.spares
-        try:
-            slurm("sbatch", "--test-only", *allocation_options(spec, g.name, n), "--wrap", "true", timeout=15)
-        except SlurmError as err:
-            where = ", ".join(f"{k} {v}" for k, v in (("partition", spec.slurm_settings.partition),
-                                                         ("account", spec.slurm_settings.account)) if v)
-            raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({n} nodes: "
-                             f"count {g.count} + spares {g.spares}{', ' + where if where else ''}): {err}. Fix "
-                             f"slurm.partition, slurm.account, slurm.sbatch_options or the group's count/spares") from None
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    id: str
-    state: str
-    reason: str
-    nodes: str
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    name: str
-    state: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class SlurmView:
-    at: float
-    jobs: dict[str, SlurmJob]
-    nodes: dict[str, SlurmNode]
-
-
-class SlurmPoller:
-    """What Slurm says about the cluster's jobs and every node, refreshed once a second by one thread."""
-
-    def __init__(self, job_name: str, allocation: str | None = None):
-        self.job_name = job_name
-        self.allocation = allocation  # the job `cluster up --slurm` runs in (named as its user chose)
-        self.view: SlurmView | None = None  # None until Slurm answered once
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._failing = False
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="slurm-poller", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def poll(self) -> SlurmView:
-        jobs = {}
-        lines = slurm("squeue", "-h", "--name", self.job_name, "-o", "%i|%T|%r|%N").splitlines()
-        if self.allocation:
-            lines += slurm("squeue", "-h", "--jobs", self.allocation, "-o", "%i|%T|%r|%N").splitlines()
-        for line in lines:
-            job_id, state, reason, nodes = (line.split("|") + ["", "", ""])[:4]
-            jobs[job_id] = SlurmJob(job_id, state, reason, nodes)
-        nodes = {}
-        for line in slurm("sinfo", "-h", "-N", "-o", "%N|%T|%E").splitlines():
-            name, state, reason = (line.split("|", 2) + ["", ""])[:3]
-            nodes[name] = SlurmNode(name, state, reason)
-        return SlurmView(time.time(), jobs, nodes)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.view = self.poll()
-                if self._failing:
-                    log.info("Slurm answers again")
-                self._failing = False
-            except SlurmError as err:
-                if not self._failing:
-                    log.warning("cannot read Slurm's state (%s); next: judging nodes by heartbeats only, retrying",
-                                err)
-                self._failing = True
-            self._stop.wait(POLL_S)
 
 
 class SlurmBackend(HostsBackend):
@@ -186,7 +54,9 @@ class SlurmBackend(HostsBackend):
         super().__init__(paths, spec, store)
         self.settings = spec.slurm_settings
         self.job_name = f"phalanx-{spec.name}"
-        self.poller = SlurmPoller(self.job_name, self.settings.allocation)
+        self.poller = SlurmPoller(self.job_name, self.settings.allocation, on_view=self._annotate)
+        self._base: dict[str, str] = {}  # submitted Slurm job → the comment sbatch gave it
+        self._comments: dict[str, str] = {}  # Slurm job → the comment last set on it
         self._queued: dict[str, list[Node]] = {}  # group → nodes launch() queued this tick
         self._job_of: dict[str, str] = {}  # node → the Slurm job asked to start its agent
         self._members: dict[str, set[str]] = {}  # Slurm job → its nodes not yet forgotten
@@ -255,6 +125,7 @@ class SlurmBackend(HostsBackend):
             except SlurmError as err:
                 failed.extend((n, f"Slurm refused the allocation: {err}") for n in nodes)
                 continue
+            self._base[job] = f"phalanx cluster {self.spec.name} group {group}"
             self._record(job, group, nodes, f"Slurm job {job}")
         return failed
 
@@ -311,6 +182,28 @@ class SlurmBackend(HostsBackend):
                     f"an operator took it from the job")
         return None
 
+    def _annotate(self, view: SlurmView) -> None:
+        """Keep each submitted Slurm job's comment truthful (squeue %k, scontrol show job): which Phalanx job
+        each of its nodes runs. The allocation `cluster up` runs in keeps its user's comment."""
+        if self.store is None or not self._base:
+            return
+        running: dict[str, list[str]] = {}
+        for node in self.store.nodes(include_terminated=False):
+            place = self.slurm_place(node)
+            if place and node.job:
+                running.setdefault(place[0], []).append(f"{node.name} runs phalanx job {node.job}")
+        for job_id, base in list(self._base.items()):
+            if job_id not in view.jobs:
+                continue
+            comment = base + (f"; {', '.join(sorted(running[job_id]))}" if job_id in running else "")
+            if self._comments.get(job_id, base) == comment:  # `base` is what sbatch set
+                continue
+            try:
+                slurm("scontrol", "update", f"jobid={job_id}", f"comment={comment}", timeout=10)
+                self._comments[job_id] = comment
+            except SlurmError as err:
+                log.warning("could not set Slurm job %s's comment: %s", job_id, err)
+
     def remediate(self, node: Node, reason: str, cause: str) -> None:
         """Hand a faulty node back to Slurm as the spec's remediator says (in a thread: slurmctld may be slow)."""
         place = self.slurm_place(node)
@@ -350,7 +243,9 @@ class SlurmBackend(HostsBackend):
             members.discard(node.name)
             if not members and job_id != self.settings.allocation:  # every node it ran is gone: give it back
                 self._members.pop(job_id)
-                self._cancel(job_id, "every node of it has left the cluster")
+                view = self.poller.view
+                if view is None or job_id in view.jobs:  # (a one-node job ends with its agent)
+                    self._cancel(job_id, "every node of it has left the cluster")
 
     def _cancel(self, job_id: str, why: str) -> None:
         try:

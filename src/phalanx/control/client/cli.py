@@ -140,7 +140,7 @@ def up(
     timeout: float = typer.Option(600.0, help="seconds to wait for every node to be healthy"),
 ) -> None:
     """Bring a cluster up in the Slurm allocation this runs in (`sbatch recipes/slurm/run.sbatch`)."""
-    from phalanx.control.backends.slurm import SlurmError
+    from phalanx.control.backends.slurm_commands import SlurmError
     from phalanx.control.client.slurm_up import cluster_up
 
     if not slurm:

@@ -214,7 +214,7 @@ def create_cluster(spec: ClusterSpec | Path | str, *, timeout_s: float = 300.0, 
     if not isinstance(spec, ClusterSpec):
         spec = load_spec(spec)
     if spec.backend == "slurm":  # no sbatch, slurmctld down, an unknown partition: say so before starting anything
-        from phalanx.control.backends.slurm import SlurmError, preflight
+        from phalanx.control.backends.slurm_commands import SlurmError, preflight
 
         try:
             preflight(spec)

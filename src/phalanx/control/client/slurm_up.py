@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from phalanx.control.backends.slurm import SlurmError, slurm
+from phalanx.control.backends.slurm_commands import SlurmError, slurm
 from phalanx.control.client.cluster import ClusterRefused, create_cluster, delete_cluster
 from phalanx.control.client.jobs import FINAL_STATES, JobClient
 from phalanx.control.spec import ClusterSpec, load_spec
