@@ -152,7 +152,8 @@ class RequeueHarness:
             "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 120.0},
             "slurm": {"work_root": str(self.root / "agents"), "controller_lost_s": self.controller_lost_s}}))
         (work / "run.sbatch").write_text(
-            "#!/bin/bash\n#SBATCH --nodes=2 --exclusive --no-kill --requeue --open-mode=append --output=phalanx-%j.out\n"
+            "#!/bin/bash\n"
+            "#SBATCH --nodes=2 --exclusive --no-kill --requeue --open-mode=append --output=phalanx-%j.out\n"
             "phalanx cluster up --slurm -f cluster.json --run train.json --nodes 2 --recovery restart\n")
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
         job = self.slurm.run("sbatch", "--parsable", "run.sbatch", env=env, cwd=work).stdout.strip()
@@ -235,7 +236,8 @@ def main() -> None:
     if "local-restart" in medians:
         summary["local_restart_downtime_s"] = medians["local-restart"]["downtime_s"]
         if "restart" in medians:
-            summary["slurm_restart_minus_local_s"] = medians["restart"]["downtime_s"] - summary["local_restart_downtime_s"]
+            summary["slurm_restart_minus_local_s"] = (medians["restart"]["downtime_s"]
+                                                      - summary["local_restart_downtime_s"])
     if "requeue" in medians:
         summary.update(slurm_requeue_downtime_s=medians["requeue"]["downtime_s"],
                        slurm_requeue_steps_lost=medians["requeue"]["steps_lost"])

@@ -204,6 +204,7 @@ def slurm_cluster(tmp_path, **settings):
                            "slurm": {"partition": "gpu", "allocation_timeout_s": 30, **settings}})
     paths = ClusterPaths(tmp_path / "c1")
     paths.root.mkdir(mode=0o700)
+    paths.write_token()
     store = Store(paths.db)
     store.initialize(spec)
     return spec, store, SlurmBackend(paths, spec, store)
@@ -220,7 +221,8 @@ def test_the_slurm_backend_asks_for_one_exclusive_allocation_and_names_it(tmp_pa
     store.update_cluster(api_host="198.18.0.2", api_port=8123)
     script = backend.batch_script("workers", 3)
     assert "srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --whole --nodes 3 " in script
-    assert "--join http://198.18.0.2:8123 --token-file" in script and "--group workers" in script
+    assert "--join http://198.18.0.2:8123 --group workers" in script
+    assert "token" not in script.lower() and backend.agent_env()["PHALANX_CLUSTER_TOKEN"] == backend.paths.read_token()
     store.close()
 
 

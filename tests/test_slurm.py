@@ -172,7 +172,8 @@ def test_bad_slurm_input_and_weather_get_one_clear_error_and_leave_nothing(tmp_p
     monkeypatch.setenv("PATH", path)
 
     # 2 of the 4 nodes busy: an allocation of 3 pends ("Resources") past its timeout; creation fails saying so
-    blocker = slurm.run("sbatch", "--parsable", "-N", "2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 600").stdout.strip()
+    blocker = slurm.run("sbatch", "--parsable", "-N", "2", "--exclusive", "--output=/dev/null", "--wrap",
+                        "sleep 600").stdout.strip()
     wait_for(lambda: any(j["id"] == blocker and j["state"] == "RUNNING" for j in slurm.jobs()), 30, "the blocker")
     with pytest.raises(CreateFailed, match=r"still pending after \d+ s \(squeue reason: Resources"):
         create(tmp_path, allocation_timeout_s=4)

@@ -25,8 +25,9 @@ err_console = Console(stderr=True, highlight=False)
 @app.command("agent")
 def agent(
     controller: str = typer.Option(..., "--controller", help="the controller's API URL (`phalanx cluster describe`)"),
-    token_file: Path = typer.Option(..., "--token-file", exists=True, dir_okay=False,
-                                    help="a copy of the cluster's token file"),
+    token_file: Optional[Path] = typer.Option(None, "--token-file", exists=True, dir_okay=False,
+                                              help="a copy of the cluster's token file (default: the "
+                                                   "environment's PHALANX_CLUSTER_TOKEN)"),
     group: str = typer.Option(..., "--group", help="the instance group this host joins"),
     name: Optional[str] = typer.Option(None, "--name", help="a particular waiting node (default: the group's first)"),
     work_root: Path = typer.Option(Path("~/.phalanx/agents"), "--work-root", help="node work dirs go under it"),
@@ -40,9 +41,9 @@ def agent(
     controller says terminate."""
     from phalanx.control.agent.node_agent import main as agent_main
 
-    argv = ["--join", controller, "--token-file", str(token_file), "--group", group,
-            "--work-root", str(work_root.expanduser())]
-    for flag, value in (("--name", name), ("--address", address), ("--ifname", ifname)):
+    argv = ["--join", controller, "--group", group, "--work-root", str(work_root.expanduser())]
+    for flag, value in (("--token-file", token_file and str(token_file)), ("--name", name), ("--address", address),
+                        ("--ifname", ifname)):
         if value:
             argv += [flag, value]
     raise typer.Exit(agent_main(argv))

@@ -81,10 +81,16 @@ def free_ports(host: str, count: int = 4) -> list[int]:
             s.close()
 
 
-def join(url: str, token_file: Path, group: str, *, name: str | None, work_root: Path, address: str | None,
+TOKEN_ENV = "PHALANX_CLUSTER_TOKEN"  # the token in the environment (the slurm backend's agents: no shared file)
+
+
+def join(url: str, token_file: Path | None, group: str, *, name: str | None, work_root: Path, address: str | None,
          ifname: str | None) -> Path:
-    """Claim a node of `group`; returns the path of the agent config written for it."""
-    token = token_file.read_text().strip()
+    """Claim a node of `group` with the token in `token_file` (None: in $PHALANX_CLUSTER_TOKEN); returns the path
+    of the agent config written for it. The node's work dir keeps its own copy of the token (0600)."""
+    token = (token_file.read_text() if token_file is not None else os.environ.get(TOKEN_ENV, "")).strip()
+    if not token:
+        raise ValueError(f"no cluster token: give --token-file, or set {TOKEN_ENV}")
     address = address or route_address(url)
     ifname = ifname or interface_of(address)
     handle = slurm_handle() or f"{socket.gethostname()}:{os.getpid()}"
@@ -102,6 +108,9 @@ def join(url: str, token_file: Path, group: str, *, name: str | None, work_root:
     check_version(reply.get("protocol"), "the controller")
     work = work_root / reply["cluster"] / reply["node"]
     work.mkdir(parents=True, exist_ok=True, mode=0o700)
+    own_token = work / "token"
+    own_token.write_text(token)
+    own_token.chmod(0o600)
     script = None
     if reply.get("on_create") is not None:
         script = work / "on_create" / (reply.get("on_create_name") or "on_create.sh")
@@ -109,7 +118,7 @@ def join(url: str, token_file: Path, group: str, *, name: str | None, work_root:
         script.write_text(reply["on_create"])
         script.chmod(0o700)
     cfg = {**reply["config"], "node": reply["node"], "work_dir": str(work), "on_create": str(script) if script else None,
-           "token_file": str(token_file.resolve()), "controller_url": url.rstrip("/"), "store_addr": reply["store_addr"],
+           "token_file": str(own_token), "controller_url": url.rstrip("/"), "store_addr": reply["store_addr"],
            "address": address, "ifname": ifname, "handle": handle}
     path = work / "agent.json"
     path.write_text(json.dumps(cfg, indent=2))

@@ -39,7 +39,7 @@ from phalanx.control.agent import health
 from phalanx.protocol import NODE_HANDLE, PROTOCOL_VERSION, ProtocolMismatch, check_version
 from phalanx.protocol.messages import HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
-from phalanx.control.agent.join import act_on, free_ports, join
+from phalanx.control.agent.join import TOKEN_ENV, act_on, free_ports, join
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import PRIVATE_UMASK
 from phalanx.control.agent.supervisor import WorkerSupervisor
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, help="agent.json written by the backend")
     parser.add_argument("--join", metavar="URL", help="join the cluster whose controller's API is at URL (backend "
                                                       "hosts): the node is named by the controller")
-    parser.add_argument("--token-file", type=Path, help="with --join: the cluster's token")
+    parser.add_argument("--token-file", type=Path, help="with --join: the cluster's token (default: the "
+                                                        "environment's PHALANX_CLUSTER_TOKEN)")
     parser.add_argument("--group", help="with --join: the instance group to join")
     parser.add_argument("--name", help="with --join: a particular waiting node of the group")
     parser.add_argument("--work-root", type=Path, default=Path("~/.phalanx/agents").expanduser(),
@@ -348,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.umask(PRIVATE_UMASK)  # its files, its lifecycle script's and its workers' are this user's only
     if args.join:
-        if not (args.token_file and args.group):
-            parser.error("--join needs --token-file and --group")
+        if not ((args.token_file or os.environ.get(TOKEN_ENV)) and args.group):
+            parser.error(f"--join needs --group, and --token-file or {TOKEN_ENV} in the environment")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s: %(message)s")
         try:
             args.config = join(args.join, args.token_file, args.group, name=args.name, work_root=args.work_root,

@@ -32,12 +32,14 @@ Implements `base.Backend` (as `hosts.HostsBackend`, plus Slurm). Knows nothing a
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import subprocess
 import sys
 import threading
 import time
 
+from phalanx.control.agent.join import TOKEN_ENV
 from phalanx.control.backends.hosts import HostsBackend
 from phalanx.control.backends.slurm_commands import (LIVE_JOB_STATES, POLL_S, SLURM_STATES_TAKEN, SlurmError,
                                                      SlurmPoller, SlurmView, allocation_options, slurm)
@@ -74,7 +76,12 @@ class SlurmBackend(HostsBackend):
         cluster = self.store.cluster()
         url = f"http://{cluster['api_host']}:{cluster['api_port']}"
         return [self.settings.python or sys.executable, "-m", "phalanx.control.agent.node_agent", "--join", url,
-                "--token-file", str(self.paths.token), "--group", group, "--work-root", self.settings.work_root]
+                "--group", group, "--work-root", self.settings.work_root]
+
+    def agent_env(self) -> dict[str, str]:
+        """sbatch's and srun's environment (exported to the agents): the token travels in it, so the nodes need
+        no filesystem shared with the controller for it (slurmctld keeps a job's environment root-only)."""
+        return {**os.environ, TOKEN_ENV: self.paths.read_token()}
 
     def batch_script(self, group: str, nodes: int) -> str:
         step = shlex.join([*self.agent_step(nodes), *self.agent_command(group)])
@@ -102,7 +109,7 @@ class SlurmBackend(HostsBackend):
             self._steps[(job, group)] = subprocess.Popen(
                 [*self.agent_step(len(nodes)), f"--jobid={job}", f"--relative={used}", "--overlap",
                  *self.agent_command(group)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.agent_env())
         return job
 
     def flush(self) -> list[tuple[Node, str]]:
@@ -118,10 +125,11 @@ class SlurmBackend(HostsBackend):
                 continue
             script = folder / f"{group}-{nodes[0].name}.sh"
             script.write_text(self.batch_script(group, len(nodes)))
-            argv = ["sbatch", "--parsable", *allocation_options(self.spec, group, len(nodes)),
-                    f"--output={folder}/%j.out", str(script)]
+            # the output beside the cluster's files (a shared PHALANX_HOME); slurm.sbatch_options may name another
+            argv = ["sbatch", "--parsable", f"--output={folder}/%j.out",
+                    *allocation_options(self.spec, group, len(nodes)), str(script)]
             try:
-                job = slurm(*argv).strip().split(";")[0]
+                job = slurm(*argv, env=self.agent_env()).strip().split(";")[0]
             except SlurmError as err:
                 failed.extend((n, f"Slurm refused the allocation: {err}") for n in nodes)
                 continue

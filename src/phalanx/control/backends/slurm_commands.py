@@ -29,10 +29,10 @@ class SlurmError(RuntimeError):
     """Slurm refused or could not be reached; the message says what it answered."""
 
 
-def slurm(*argv: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+def slurm(*argv: str, timeout: float = COMMAND_TIMEOUT_S, env: dict | None = None) -> str:
     """Run a Slurm client command; its stdout. SlurmError with its stderr when it fails or hangs."""
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env)
     except FileNotFoundError:
         raise SlurmError(f"`{argv[0]}` is not on PATH: run Phalanx on a host with Slurm's client commands "
                          f"(Debian: slurm-client) and SLURM_CONF pointing at the cluster's slurm.conf") from None
@@ -80,7 +80,8 @@ def preflight(spec: ClusterSpec) -> None:
                                                          ("account", spec.slurm_settings.account)) if v)
             raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({n} nodes: "
                              f"count {g.count} + spares {g.spares}{', ' + where if where else ''}): {err}. Fix "
-                             f"slurm.partition, slurm.account, slurm.sbatch_options or the group's count/spares") from None
+                             f"slurm.partition, slurm.account, slurm.sbatch_options or the group's count/spares"
+                             ) from None
 
 
 @dataclass(frozen=True)
