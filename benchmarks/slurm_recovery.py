@@ -17,10 +17,11 @@ after a checkpoint) a node dies: its slurmd, its step daemons and every process 
   requeue         `sbatch recipes/slurm/run.sbatch` as shipped but with 2 members and no spare (`phalanx cluster
                   up --slurm --run`, restart recovery): the batch host (rank 0's node, the controller's host)
                   dies. Slurm keeps a --no-kill job running without its script; the agents, their controller
-                  silent for `--controller-lost` s, ask `scontrol requeue`; the harness then sets the requeued
-                  job's StartTime to now (Slurm holds a requeued job ~120 s otherwise — say so when comparing);
-                  the script runs again, removes the old cluster, creates a new one, and the job resumes from
-                  the newest checkpoint.
+                  silent for `--controller-lost` s, ask `scontrol requeue` (Slurm also requeues it itself once
+                  the dead node is marked down, after SlurmdTimeout = 30 s here); a requeued job seen pending gets
+                  `scontrol update StartTime=now` (Slurm may hold it ~120 s otherwise; `start_now` says whether it
+                  was needed); the script runs again, removes the old cluster, creates a new one, and the job
+                  resumes from the newest checkpoint.
   local-restart   the `restart` cluster, job and kill on the local backend (`phalanx fault inject kill-node`):
                   the target for Slurm's restart is this + 1 s.
 
@@ -51,6 +52,7 @@ from slurm import LocalSlurm  # noqa: E402  (the tests' real Slurm on this machi
 from phalanx.train.timeline import recovery_figures  # noqa: E402
 
 FIGURES = ("first_step_after_s", "steps_lost", "downtime_s", "normal_step_s")
+HEALTH = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 120.0}  # --heartbeat-timeout
 
 
 def job_tree(run_dir: Path, data: Path, steps: int, interval: int, recovery: str) -> dict:
@@ -101,7 +103,7 @@ class SpareHarness:
         spec.write_text(json.dumps({
             "name": cluster, "backend": "local" if self.local else "slurm",
             "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": 2, "spares": 1}],
-            "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 120.0},
+            "health": HEALTH,
             **({} if self.local else {"slurm": {"work_root": str(self.root / "agents")}})}))
         create_cluster(spec, timeout_s=120)
         try:
@@ -149,7 +151,7 @@ class RequeueHarness:
         (work / "cluster.json").write_text(json.dumps({
             "name": "bench-requeue", "backend": "slurm",
             "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": 2, "spares": 0}],
-            "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 120.0},
+            "health": HEALTH,
             "slurm": {"work_root": str(self.root / "agents"), "controller_lost_s": self.controller_lost_s}}))
         (work / "run.sbatch").write_text(
             "#!/bin/bash\n"
@@ -157,21 +159,29 @@ class RequeueHarness:
             "phalanx cluster up --slurm -f cluster.json --run train.json --nodes 2 --recovery restart\n")
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
         job = self.slurm.run("sbatch", "--parsable", "run.sbatch", env=env, cwd=work).stdout.strip()
+        out = work / f"phalanx-{job}.out"
         try:
             wait_for(lambda: last_step(run_dir / "metrics.jsonl") >= fail_step, 300, f"step {fail_step}")
             batch_host = self.slurm.run("squeue", "-h", "-j", job, "-o", "%B").stdout.strip()
             killed_at = time.time()
             self.slurm.kill_node(batch_host)
-            wait_for(lambda: any(j["id"] == job and j["state"] == "PENDING" for j in self.slurm.jobs()), 120,
-                     "the requeue")
-            requeued_at = time.time()
-            self.slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
-            wait_for(lambda: not any(j["id"] == job for j in self.slurm.jobs()), 600, "the requeued job to end")
-            out = (work / f"phalanx-{job}.out").read_text()
-            if "succeeded" not in out:
-                raise RuntimeError(f"requeue: the job did not succeed:\n{out[-2000:]}")
+            released, deadline = False, time.monotonic() + 300
+            while "was requeued" not in out.read_text():  # the script started again
+                if not released and any(j["id"] == job and j["state"] == "PENDING" for j in self.slurm.jobs()):
+                    self.slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now", check=False)
+                    released = True  # (a requeue Slurm made itself, the batch host down, may start at once)
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the requeued script did not start again within 300 s")
+                time.sleep(0.2)
+            restarted_at = time.time()
+            while any(j["id"] == job for j in self.slurm.jobs()):
+                time.sleep(0.5)
+            text = out.read_text()
+            if "succeeded" not in text:
+                raise RuntimeError(f"requeue: the job did not succeed:\n{text[-2000:]}")
             figures = recovery_figures(run_dir / "metrics.jsonl", killed_at)
-            return {**figures.as_dict(), "requeue_asked_s": requeued_at - killed_at, "slurm_node": batch_host}
+            return {**figures.as_dict(), "script_again_s": restarted_at - killed_at, "start_now": released,
+                    "slurm_node": batch_host}
         finally:
             self.slurm.reset()
 
@@ -184,11 +194,14 @@ def main() -> None:
     parser.add_argument("--fail-step", type=int, default=30, help="kill the node when rank 0 logs this step")
     parser.add_argument("--controller-lost", type=float, default=10.0,
                         help="requeue: slurm.controller_lost_s (agents' wait before asking for the requeue)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                        help="health.heartbeat_timeout_s of every cluster (heartbeats every timeout / 6 s)")
     parser.add_argument("--harness", default="checkpointless,restart,requeue,local-restart",
                         help="comma-separated: checkpointless, restart, requeue (on Slurm), local-restart, "
                              "local-checkpointless (the same cluster on the local backend)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "slurm_recovery.json")
     args = parser.parse_args()
+    HEALTH.update(heartbeat_timeout_s=args.heartbeat_timeout, heartbeat_interval_s=args.heartbeat_timeout / 6)
     why = LocalSlurm.available()
     if why:
         raise SystemExit(f"cannot run Slurm here: {why}")
@@ -210,6 +223,7 @@ def main() -> None:
             local = name.startswith("local-")
             harnesses.append(SpareHarness(slurm, root, name.removeprefix("local-"), local=local))
     samples: dict[str, list[dict]] = {h.name: [] for h in harnesses}
+    ok = False
     try:
         for i in range(args.runs):
             for h in harnesses:
@@ -219,9 +233,13 @@ def main() -> None:
                 samples[h.name].append(sample)
                 print(f"run {i + 1}/{args.runs} {h.name:>14}: " + "  ".join(
                     f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in sample.items()), flush=True)
+        ok = True
     finally:
         slurm.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        if ok:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"kept {root} (logs of the failed run)", file=sys.stderr)
     medians = {name: {k: median([s[k] for s in runs]) for k in FIGURES} for name, runs in samples.items() if runs}
     print(f"\nmedians of {args.runs} runs (s; steps_lost in steps):")
     for name, m in medians.items():
@@ -244,10 +262,11 @@ def main() -> None:
     path = write_results(args.out, {
         "benchmark": "slurm_recovery",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/slurm_recovery.py " + " ".join(sys.argv[1:]),
-        "config": {"steps": args.steps, "checkpoint_interval": args.interval, "fail_step": args.fail_step,
+        "config": {"health": HEALTH, "steps": args.steps, "checkpoint_interval": args.interval,
+                   "fail_step": args.fail_step,
                    "controller_lost_s": args.controller_lost, "slurm": "slurm-wlm (Debian 12), 4 slurmd on one host",
-                   "requeue_start": "scontrol update StartTime=now once the requeued job pends (Slurm holds it "
-                                    "~120 s otherwise)"},
+                   "requeue_start": "scontrol update StartTime=now if the requeued job is seen pending (runs: "
+                                    "start_now)"},
         "runs": samples, "medians": medians, "summary": summary,
     })
     print(f"results: {path}")

@@ -1,7 +1,8 @@
 """The contract every backend keeps (`phalanx.control.backends.base.Backend`), run against each backend: real
 nodes (for `local`: agent processes on this machine, with no controller to talk to — they keep retrying,
-which is all these tests need), real signals, real ports. The hosts and slurm backends start nothing on this machine (agents join them): their
-own tests are at the end, and end to end in tests/test_hosts.py and tests/test_slurm.py."""
+which is all these tests need), real signals, real ports. The hosts and slurm backends start nothing on this
+machine (agents join them): their own tests are at the end, and end to end in tests/test_hosts.py and
+tests/test_slurm.py."""
 
 from __future__ import annotations
 

@@ -200,9 +200,9 @@ class ClusterSpec(_Strict):
     @model_validator(mode="after")
     def _hosts_reach_the_controller(self) -> ClusterSpec:
         if self.backend in ("hosts", "slurm") and self.api.host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"api.host: {self.api.host!r} is every address; backend {self.backend} hands the controller's "
-                             f"address to agents and workers on other hosts (the API and the rendezvous store "
-                             f"listen there): set the address those hosts reach this machine at")
+            raise ValueError(f"api.host: {self.api.host!r} is every address; backend {self.backend} hands the "
+                             f"controller's address to agents and workers on other hosts (the API and the "
+                             f"rendezvous store listen there): set the address those hosts reach this machine at")
         return self
 
     @model_validator(mode="after")

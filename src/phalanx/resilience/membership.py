@@ -283,8 +283,8 @@ class Membership:
         if waited < grace:
             return
         self._exit_stuck(f"still training generation {self._watching} {waited:.0f} s after generation {newest} was "
-                         f"published (a step and what follows it take up to {self._step_s:.1f} s): the main thread is blocked in a "
-                         f"collective with a peer that stopped without dying (a frozen host?)")
+                         f"published (a step and what follows it take up to {self._step_s:.1f} s): the main thread "
+                         f"is blocked in a collective with a peer that stopped without dying (a frozen host?)")
 
     def _exit_stuck(self, what: str) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)

@@ -1,6 +1,6 @@
 """Backends: where nodes come from (`local.py`: agents on this machine; `hosts.py`: agents that join from
-other hosts; `slurm.py`: Slurm allocates the nodes and starts their agents). `make_backend(spec, paths)` picks the one a cluster spec names; policy
-only ever holds a `Backend` (base.py)."""
+other hosts; `slurm.py`: Slurm allocates the nodes and starts their agents). `make_backend(spec, paths)`
+picks the one a cluster spec names; policy only ever holds a `Backend` (base.py)."""
 
 from __future__ import annotations
 
