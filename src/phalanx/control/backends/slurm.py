@@ -78,10 +78,14 @@ class SlurmBackend(HostsBackend):
         return [self.settings.python or sys.executable, "-m", "phalanx.control.agent.node_agent", "--join", url,
                 "--group", group, "--work-root", self.settings.work_root]
 
-    def agent_env(self) -> dict[str, str]:
+    def agent_env(self, submit: bool = True) -> dict[str, str]:
         """sbatch's and srun's environment (exported to the agents): the token travels in it, so the nodes need
-        no filesystem shared with the controller for it (slurmctld keeps a job's environment root-only)."""
-        return {**os.environ, TOKEN_ENV: self.paths.read_token()}
+        no filesystem shared with the controller for it (slurmctld keeps a job's environment root-only). For an
+        sbatch (`submit`), without the SLURM_* of an allocation this controller may run in (`cluster up`): the
+        new job is not part of it."""
+        env = {k: v for k, v in os.environ.items()
+               if not (submit and k.startswith("SLURM_") and k != "SLURM_CONF")}
+        return {**env, TOKEN_ENV: self.paths.read_token()}
 
     def batch_script(self, group: str, nodes: int) -> str:
         step = shlex.join([*self.agent_step(nodes), *self.agent_command(group)])
@@ -109,7 +113,7 @@ class SlurmBackend(HostsBackend):
             self._steps[(job, group)] = subprocess.Popen(
                 [*self.agent_step(len(nodes)), f"--jobid={job}", f"--relative={used}", "--overlap",
                  *self.agent_command(group)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.agent_env())
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.agent_env(submit=False))
         return job
 
     def flush(self) -> list[tuple[Node, str]]:
