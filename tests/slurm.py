@@ -97,8 +97,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         self._write_configs()
         if subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:
             key = Path("/etc/munge/munge.key")
-            if not key.exists():
+            if not key.exists():  # the package's postinst makes one; mungekey as root makes it root's
                 subprocess.run(["mungekey", "--create"], check=True, capture_output=True, timeout=30)
+                shutil.chown(key, "munge", "munge")
             subprocess.run(["/etc/init.d/munge", "start"], check=True, capture_output=True, timeout=30)
             self.started_munge = True
         self.run("slurmctld", "-f", str(self.conf))
