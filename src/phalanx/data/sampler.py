@@ -72,7 +72,8 @@ class IndexPermutation:
 class GlobalBatchSampler:
     """Dataset indices of global batches and of this data-parallel rank's share of them."""
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1) -> None:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
+                 *, uneven: bool = False) -> None:
         _require_int("num_samples", num_samples, minimum=1, fix="prepare a non-empty dataset")
         if num_samples > MAX_NUM_SAMPLES:
             raise DataError(f"num_samples={num_samples} exceeds the sampler's limit of {MAX_NUM_SAMPLES}")
@@ -83,7 +84,10 @@ class GlobalBatchSampler:
             raise DataError(f"seed={seed!r} must be an integer")
         if dp_rank >= dp_size:
             raise DataError(f"dp_rank={dp_rank} must be less than dp_size={dp_size}")
-        if global_batch_size % dp_size:
+        if uneven and global_batch_size < dp_size:
+            raise DataError(f"global_batch_size={global_batch_size} is smaller than dp_size={dp_size}: some rank "
+                            f"would get no sample; use at most {global_batch_size} data-parallel ranks")
+        if global_batch_size % dp_size and not uneven:
             raise DataError(
                 f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}; choose a "
                 f"global batch size that is a multiple of {dp_size} (e.g. {global_batch_size - global_batch_size % dp_size or dp_size})"
@@ -93,11 +97,19 @@ class GlobalBatchSampler:
         self.seed = int(seed)
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
+        self.uneven = uneven  # an elastic job's size may not divide the batch: the first ranks take one more
         self._permutation: tuple[int, IndexPermutation] | None = None
 
     @property
     def local_batch_size(self) -> int:
-        return self.global_batch_size // self.dp_size
+        """This rank's share: global ÷ dp; uneven, the first `global % dp` ranks take one sample more."""
+        base, extra = divmod(self.global_batch_size, self.dp_size)
+        return base + (self.dp_rank < extra)
+
+    @property
+    def local_start(self) -> int:
+        base, extra = divmod(self.global_batch_size, self.dp_size)
+        return self.dp_rank * base + min(self.dp_rank, extra)
 
     def epoch(self, samples_consumed: int) -> int:
         """The epoch that position `samples_consumed` falls in."""
@@ -125,13 +137,22 @@ class GlobalBatchSampler:
         return indices
 
     def local_batch(self, samples_consumed: int) -> np.ndarray:
-        """This rank's contiguous slice ``[rank*B/d, (rank+1)*B/d)`` of the global batch."""
-        start = self.dp_rank * self.local_batch_size
+        """This rank's contiguous slice ``[rank*B/d, (rank+1)*B/d)`` of the global batch (uneven: the shares
+        of the ranks before it, then its own)."""
+        start = self.local_start
         return self.global_batch(samples_consumed)[start : start + self.local_batch_size]
 
-    def local_micro_batches(self, samples_consumed: int, micro_batch_size: int) -> list[np.ndarray]:
-        """This rank's local batch cut into consecutive micro-batches (for gradient accumulation)."""
+    def local_micro_batches(self, samples_consumed: int, micro_batch_size: int,
+                            count: int | None = None) -> list[np.ndarray]:
+        """This rank's local batch cut into consecutive micro-batches (for gradient accumulation). `count`
+        (uneven): exactly that many, of near-equal sizes (every rank of the step runs the same number)."""
         _require_int("micro_batch_size", micro_batch_size, minimum=1, fix="set micro_batch_size >= 1")
+        if count is not None:
+            local = self.local_batch(samples_consumed)
+            if len(local) < count or -(-len(local) // count) > micro_batch_size:
+                raise DataError(f"{len(local)} samples on dp rank {self.dp_rank} cannot be cut into {count} "
+                                f"micro-batches of at most {micro_batch_size}")
+            return np.array_split(local, count)
         if self.local_batch_size % micro_batch_size:
             raise DataError(
                 f"micro_batch_size={micro_batch_size} does not divide the local batch size {self.local_batch_size} "

@@ -44,12 +44,14 @@ class EventKind(str, Enum):
     HANG = "hang"  # an agent killed a hung worker (the agent's own event, and the controller's record of it)
     RECOVERY = "recovery"  # what the controller does about a fault
     STRAGGLER = "straggler"  # a rank computes its steps k × slower than its peers' median, m reports in a row
+    RESIZE = "resize"  # an elastic job's replica count changes (and why); its workers' side is `resized`
     # a run (training runtime; checkpointless recovery also to the controller)
     STARTED = "started"  # a run (or a generation of it) started: world size, layout, where it starts from
     CHECKPOINT_STARTED = "checkpoint_started"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a corrupt checkpoint passed over on resume
     FAULT_DETECTED = "fault_detected"
+    RESIZED = "resized"  # checkpointless regroup after an elastic resize (in place of fault_detected)
     PG_REBUILT = "pg_rebuilt"
     STATE_RESTORED = "state_restored"
     RESUMED = "resumed"

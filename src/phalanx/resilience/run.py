@@ -206,7 +206,7 @@ class CheckpointlessRun:
         self.drill.install(trainer)
         trainer.callbacks.add(self.membership)  # a step blocked on a frozen peer ends the process (membership.py)
         self.membership.watch(generation)
-        if self.settings.snapshot_interval and self.config.parallel.dp_replicate == 1:
+        if self.settings.snapshot_interval and trainer.dims.dp_replicate == 1:
             self.snapshots = BuddySnapshots(trainer, self.shelf, interval=self.settings.snapshot_interval,
                                             workers_per_node=self.workers_per_node)
             self.snapshots.after_step(force=True)  # cover every shard again at once after a recovery

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from phalanx.models.config import PRESETS
+from phalanx.protocol.elastic import ElasticSettings, replicas_of, split_batch
 
 
 class ConfigError(ValueError):
@@ -161,12 +162,45 @@ class TrainConfig(_Strict):
     checkpoint: CheckpointSection = CheckpointSection()
     metrics: MetricsSection = MetricsSection()
     resilience: ResilienceSection = ResilienceSection()
+    elastic: ElasticSettings | None = Field(None, description="run between min and max data-parallel replicas, "
+                                                              "resized in place (a Phalanx cluster job)")
 
     @model_validator(mode="after")
     def _model_source(self):
         if self.model.hf_path is None and self.model.preset is None:
             raise ValueError("set model.preset or model.hf_path")
         return self
+
+    @model_validator(mode="after")
+    def _elastic_layout(self):
+        if self.elastic is None:
+            return self
+        if self.parallel.dp_shard < 1:
+            raise ValueError("elastic: set parallel.dp_shard (>= 1) to the ranks that shard one replica; the "
+                             "replica count (dp_replicate) follows the job's size")
+        if self.parallel.dp_replicate != 1:
+            raise ValueError(f"elastic: parallel.dp_replicate={self.parallel.dp_replicate} is chosen at run time "
+                             f"for an elastic job; leave it at 1 and set elastic.min_replicas/max_replicas")
+        gb, mb = self.training.global_batch_size, self.training.micro_batch_size
+        if not self.elastic.valid_sizes(gb, mb, self.ranks_per_replica):
+            raise ValueError(f"elastic: no allowed replica count {self.elastic.sizes()} can split "
+                             f"training.global_batch_size={gb} into micro-batches of {mb} over "
+                             f"{self.ranks_per_replica} rank(s) per replica; raise global_batch_size or lower "
+                             f"max_replicas")
+        return self
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Ranks of one data-parallel replica (dp_shard × tp; -1 dp_shard: the whole world, one replica)."""
+        return max(self.parallel.dp_shard, 1) * self.parallel.tensor_parallel_degree
+
+    def for_world(self, world_size: int) -> "TrainConfig":
+        """An elastic job's config for a generation of `world_size` ranks: dp_replicate = its replica count.
+        Any other config is returned as is."""
+        if self.elastic is None:
+            return self
+        replicas = replicas_of(world_size, self.ranks_per_replica)
+        return self.model_copy(update={"parallel": self.parallel.model_copy(update={"dp_replicate": replicas})})
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -177,8 +211,17 @@ class TrainConfig(_Strict):
         return self.lr_schedule.total_steps or self.training.max_steps
 
     def grad_accum_steps(self, dp_size: int) -> int:
-        """global_batch ÷ (micro_batch × dp); an impossible combination says which numbers to change."""
+        """global_batch ÷ (micro_batch × dp); an impossible combination says which numbers to change. An elastic
+        job also runs sizes that do not divide the batch (`protocol.elastic.split_batch`: uneven shares)."""
         gb, mb = self.training.global_batch_size, self.training.micro_batch_size
+        if self.elastic is not None:
+            split = split_batch(gb, mb, dp_size)
+            if split is None:
+                raise ConfigError(f"training.global_batch_size={gb} cannot be split into micro-batches of {mb} over "
+                                  f"{dp_size} data-parallel ranks (some rank would get fewer samples than "
+                                  f"micro-batches); valid replica counts: "
+                                  f"{self.elastic.valid_sizes(gb, mb, self.ranks_per_replica)}")
+            return split[0]
         per_step = mb * dp_size
         if gb % per_step:
             lower, upper = (gb // per_step) * per_step, (gb // per_step + 1) * per_step

@@ -39,6 +39,10 @@ def preflight(config: TrainConfig, nproc: int) -> None:
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be >= 1")
     check_local_paths(config)
+    try:
+        config = config.for_world(nproc)  # an elastic job: checked at its starting size
+    except ValueError as err:
+        raise ConfigError(f"elastic: {err}") from None
     model_config = resolve_model_config(config)
     dims = parallel_dims(config, nproc, model_config)
     config.grad_accum_steps(dims.dp_size)

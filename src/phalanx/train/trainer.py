@@ -84,9 +84,10 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, device: torch.device, *, init_weights: bool = True):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        config = config.for_world(self.world_size)  # an elastic job: this generation's replica count
         self.config = config
         self.device = device
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_config = resolve_model_config(config)
         self.dims = parallel_dims(config, self.world_size, self.model_config)
         self.accum = config.grad_accum_steps(self.dims.dp_size)
@@ -101,6 +102,7 @@ class Trainer:
             seed=config.seed,
             dp_rank=self.dp_rank,
             dp_size=self.dims.dp_size,
+            uneven=config.elastic is not None,
         )
         self.model = self._build_model()
         self.moe_blocks = [m for m in self.model.modules() if isinstance(m, MoEFeedForward)]
@@ -226,24 +228,31 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.config
         start, cpu_start = time.perf_counter(), time.process_time()
+        gb = cfg.training.global_batch_size
         micro_batches = self.sampler.local_micro_batches(
-            self.progress.samples_consumed, cfg.training.micro_batch_size
+            self.progress.samples_consumed, cfg.training.micro_batch_size,
+            self.accum if self.sampler.uneven else None,
         )
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
+        # Each micro-batch's loss counts by its share of the global batch: data-parallel reduction averages over
+        # the dp ranks, so a divisor of global ÷ (its samples × dp) makes the gradient the global batch's mean
+        # even where shares are uneven (an elastic size that does not divide the batch); evenly, it is `accum`.
+        divisors = [gb / (len(indices) * self.dims.dp_size) for indices in micro_batches]
+        even = all(d == self.accum for d in divisors)
         loss_sum = torch.zeros((), device=self.device)
         routed = (torch.zeros(self.model_config.n_experts + 1, dtype=torch.float64, device=self.device)
                   if self.moe_blocks else None)
-        for indices in micro_batches:
+        for indices, divisor in zip(micro_batches, divisors):
             tokens = self.dataset.get_batch(indices).to(self.device, non_blocking=True)
             loss, _aux = self.model(tokens, tokens)
             if routed is not None:  # read before backward: activation checkpointing re-runs the forward
                 routed += self._routed_pairs()
-            (loss / self.accum).backward()
-            loss_sum += loss.detach()
+            (loss / (self.accum if even else divisor)).backward()
+            loss_sum += loss.detach() if even else loss.detach() / divisor
         # Mean loss over the global batch (every data-parallel rank contributes equally), reduced before the
         # update: after it there is no collective left in the step, so a peer's fault surfaces before this
         # rank commits a step it could not log.
-        loss_mean = loss_sum / self.accum
+        loss_mean = loss_sum / self.accum if even else loss_sum
         dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM)
         loss_mean /= self.world_size
         max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else float("inf")

@@ -267,6 +267,19 @@ def delete(name: Optional[str] = NameArg,
     out.print(f"cluster {info['name']} deleted" + (" (files kept)" if keep_files else ""))
 
 
+@cluster_app.command("scale")
+def scale(group: str = typer.Argument(..., help="instance group to resize"),
+          count: int = typer.Option(..., "--count", min=0, help="member nodes the group should have"),
+          name: Optional[str] = typer.Option(None, "--cluster", help="cluster name (optional when only one "
+                                             "exists)")) -> None:
+    """Grow or shrink an instance group: new members are provisioned (elastic jobs grow onto them), idle
+    members beyond the count are retired."""
+    from phalanx.control.client.cluster import ClusterClient
+
+    reply = _guard(lambda: ClusterClient(name).call("POST", f"/v1/groups/{group}/scale", {"count": count}))
+    out.print(f"group {reply['group']}: {reply['before']} → {reply['count']} members; {reply['detail']}")
+
+
 @cluster_app.command("start")
 def start(name: Optional[str] = NameArg) -> None:
     """Start a stopped controller; it rebuilds its view from SQLite and the agents' heartbeats."""

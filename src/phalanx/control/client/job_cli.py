@@ -72,8 +72,8 @@ def _state(j: dict) -> str:
 def submit(
     args: Optional[list[str]] = typer.Argument(None, help="CONFIG.yaml followed by key=value overrides, or "
                                                           "after `--` a command to run on every worker"),
-    nodes: int = typer.Option(..., "--nodes", "-N", help="nodes to run on (each runs its instance type's "
-                                                         "workers-per-node ranks)"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", help="nodes to run on (each runs its instance "
+                                        "type's workers-per-node ranks); not for an elastic job"),
     auto_resume: bool = typer.Option(False, "--auto-resume", help="on a node fault (crash, lost heartbeat, "
                                      "failed health check, hang) replace the node and resume from the newest "
                                      "checkpoint"),
@@ -90,6 +90,18 @@ def submit(
     straggler_policy: Optional[str] = typer.Option(None, "--straggler-policy", help="report (an event) or "
                                                    "replace-node (its node replaced as a faulty one); default "
                                                    "report"),
+    min_replicas: Optional[int] = typer.Option(None, "--min-replicas", min=1, help="elastic: the fewest "
+                                               "data-parallel replicas to run with (sets elastic.min_replicas)"),
+    max_replicas: Optional[int] = typer.Option(None, "--max-replicas", min=1, help="elastic: grow up to this many "
+                                               "replicas (elastic.max_replicas)"),
+    replica_step: Optional[int] = typer.Option(None, "--replica-step", min=1, help="elastic: allowed counts are "
+                                               "min, min+step, ... (elastic.replica_step)"),
+    stable_period: Optional[float] = typer.Option(None, "--stable-period", min=0, help="elastic: seconds between "
+                                                  "two capacity-driven changes (elastic.stable_period_s)"),
+    scale_up_delay: Optional[float] = typer.Option(None, "--scale-up-delay", min=0, help="elastic: seconds idle "
+                                                   "nodes stay free before the job grows onto them"),
+    priority: int = typer.Option(0, "--priority", help="a pending job of higher priority takes nodes from "
+                                 "running elastic jobs (above their min_replicas)"),
     name: Optional[str] = typer.Option(None, "--name", help="job name (default: the run dir or the command)"),
     group: Optional[str] = typer.Option(None, "--group", help="instance group (needed with several)"),
     cluster: Optional[str] = ClusterOpt,
@@ -101,22 +113,45 @@ def submit(
     client = _client(cluster)
     common = dict(nodes=nodes, auto_resume=auto_resume, max_retries=max_retries, name=name, group=group,
                   recovery=recovery, straggler_factor=straggler_factor, straggler_steps=straggler_steps,
-                  straggler_policy=straggler_policy)
+                  straggler_policy=straggler_policy, priority=priority)
+    elastic = [f"elastic.{key}={value}" for key, value in (
+        ("min_replicas", min_replicas), ("max_replicas", max_replicas), ("replica_step", replica_step),
+        ("stable_period_s", stable_period), ("scale_up_delay_s", scale_up_delay)) if value is not None]
     if args[0].endswith(CONFIG_SUFFIXES):
         config, overrides = args[0], args[1:]
         stray = [a for a in overrides if "=" not in a]
         if stray:
             _fail(f"unexpected argument {stray[0]!r}: after the config only key=value overrides are allowed "
                   f"(a command goes after `--`)", 2)
-        job = _job_guard(lambda: client.submit(config, overrides=overrides, **common))
+        job = _job_guard(lambda: client.submit(config, overrides=[*overrides, *elastic], **common))
     else:
+        if elastic:
+            _fail("--min-replicas/--max-replicas need a training config: a command's replicas are unknown to "
+                  "Phalanx", 2)
         job = _job_guard(lambda: client.submit(command=args, **common))
     for line in job.get("warnings", []):
         err.print(f"[yellow]warning:[/] {line}")
-    out.print(f"submitted job {job['id']} ({job['name']}): {job['nodes_requested']} nodes × "
+    size = (f"elastic {job['elastic']['min_replicas']}-{job['elastic']['max_replicas']} replicas of "
+            f"{job['elastic']['nodes_per_replica']} node(s), starting with what is free, "
+            if job.get("elastic") else "")
+    out.print(f"submitted job {job['id']} ({job['name']}): {size}{job['nodes_requested']} nodes × "
               f"{job['workers_per_node']} workers = world size {job['world_size']}, auto-resume "
               f"{'on' if job['auto_resume'] else 'off'}, max-retries {job['max_retries']}, recovery "
               f"{job['recovery']}; state {job['state']}")
+
+
+@job_app.command("scale")
+def scale(
+    job: str = typer.Argument(..., help="job id or name"),
+    replicas: int = typer.Option(..., "--replicas", min=1, help="data-parallel replicas to run (one of the "
+                                 "job's allowed sizes)"),
+    cluster: Optional[str] = ClusterOpt,
+) -> None:
+    """Resize an elastic job in place: leaving replicas finish their step and exit, joiners restore from peers."""
+    client = _client(cluster)
+    j = _job_guard(lambda: client.scale(job, replicas))
+    out.print(f"job {j['id']}: scale to {replicas} replicas requested (now {j['replicas']}); it changes at the "
+              f"next step boundary, `phalanx job describe {j['id']}` shows the sizes")
 
 
 @job_app.command("list")

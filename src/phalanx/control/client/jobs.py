@@ -75,18 +75,20 @@ class JobClient:
         self.cluster = ClusterClient(cluster, timeout_s=timeout_s)
 
     # ---- submit -------------------------------------------------------------------------------------
-    def submit(self, config=None, *, command: Sequence[str] | None = None, nodes: int,
+    def submit(self, config=None, *, command: Sequence[str] | None = None, nodes: int | None = None,
                overrides: Sequence[str] = (), name: str | None = None, group: str | None = None,
                auto_resume: bool = False, max_retries: int = 0, env: dict[str, str] | None = None,
                cwd: Path | str | None = None, recovery: str | None = None, straggler_factor: float | None = None,
-               straggler_steps: int | None = None, straggler_policy: str | None = None) -> dict:
+               straggler_steps: int | None = None, straggler_policy: str | None = None, priority: int = 0) -> dict:
         """Submit a training config (path or TrainConfig) or a command. Returns the job (state pending),
         with `warnings`. Raises JobError, ClusterError, or the runtime's ConfigError / DataError /
         ParallelConfigError when the config fails preflight — in every case nothing was started.
 
         `recovery`: restart | checkpointless; default: the training config's `resilience.recovery`.
         `straggler_*`: a rank slower than factor × its peers' median for `steps` reports in a row is a straggler;
-        policy report | replace-node (docs/observability.md); default: the controller's (2, 5, report)."""
+        policy report | replace-node (docs/observability.md); default: the controller's (2, 5, report).
+        `nodes`: required, but for an elastic config (its `elastic:` section sizes it: docs/elastic.md).
+        `priority`: a pending job takes nodes from running elastic jobs of lower priority."""
         if recovery not in (None, "restart", "checkpointless"):
             raise JobError(f"--recovery {recovery!r}: choose restart or checkpointless")
         if straggler_policy not in (None, "report", "replace-node"):
@@ -102,26 +104,46 @@ class JobClient:
             raise ClusterError(f"the controller of cluster {self.cluster.name} is not running "
                                f"(`phalanx cluster start {self.cluster.name}`)")
         g = self._group(info, group)
+        slots = INSTANCE_TYPES[g["instance_type"]].worker_slots
+        cfg = None
+        if config is not None:
+            from phalanx.train.config import TrainConfig, load_config
+
+            cfg = config if isinstance(config, TrainConfig) else load_config(config, list(overrides))
+            if cfg.elastic is not None:
+                if nodes is not None:
+                    raise JobError("--nodes with an elastic config: its size follows elastic.min_replicas/"
+                                   "max_replicas (drop --nodes)")
+                if cfg.ranks_per_replica % slots:
+                    raise JobError(f"elastic: one replica is {cfg.ranks_per_replica} rank(s) (parallel.dp_shard × "
+                                   f"tensor_parallel_degree) but a node of group {g['name']} runs {slots} workers; set "
+                                   f"dp_shard × tp to a multiple of {slots}")
+                nodes = cfg.elastic.min_replicas * cfg.ranks_per_replica // slots
+        if nodes is None:
+            raise JobError("--nodes is required (but for an elastic config, which sizes itself)")
         if nodes < 1 or nodes > g["count"]:
             raise JobError(f"--nodes {nodes} is not possible in cluster {info['name']}: group {g['name']} has "
                            f"{g['count']} worker nodes (+{g['spares']} spares, which stand by to replace faulty "
                            f"nodes and run no jobs); use --nodes 1 to {g['count']}")
-        slots = INSTANCE_TYPES[g["instance_type"]].worker_slots
-        body = {"nodes": nodes, "name": name, "group": g["name"], "cwd": str(cwd), "env": env or {},
+        body = {"nodes": nodes, "priority": priority, "name": name, "group": g["name"], "cwd": str(cwd), "env": env or {},
                 "auto_resume": auto_resume, "max_retries": max_retries}
         body.update({k: v for k, v in (("straggler_factor", straggler_factor), ("straggler_steps", straggler_steps),
                                        ("straggler_policy", straggler_policy)) if v is not None})
         warnings = []
         if config is not None:
-            from phalanx.train.config import TrainConfig, dump_config, load_config
+            from phalanx.train.config import dump_config
             from phalanx.train.launch import preflight
 
-            cfg = config if isinstance(config, TrainConfig) else load_config(config, list(overrides))
             cfg = absolute_paths(cfg, cwd)
             preflight(cfg, nodes * slots)
             warning = timeout_warning(cfg.pg_timeout_s, info["health"]["hang_timeout_s"])
             if warning:
                 warnings.append(warning)
+            if cfg.elastic is not None:  # a resize regroups in place: survivors keep their processes
+                if recovery == "restart":
+                    raise JobError("--recovery restart with an elastic config: resizing keeps the processes, which "
+                                   "is checkpointless recovery (drop --recovery)")
+                recovery = "checkpointless"
             recovery = recovery or cfg.resilience.recovery
             if recovery != cfg.resilience.recovery:  # the job's workers read the mode from the config too
                 cfg = cfg.model_copy(update={"resilience": cfg.resilience.model_copy(update={"recovery": recovery})})
@@ -140,6 +162,15 @@ class JobClient:
             raise
         job["warnings"] = warnings
         return job
+
+    def scale(self, job: str, replicas: int) -> dict:
+        """Ask an elastic job to run `replicas` replicas (it changes at its next step boundary)."""
+        try:
+            return self.cluster.call("POST", f"/v1/jobs/{job}/scale", {"replicas": replicas})
+        except ApiError as err:
+            if 400 <= err.status < 500:
+                raise JobError(err.detail) from None
+            raise
 
     @staticmethod
     def _group(info: dict, name: str | None) -> dict:

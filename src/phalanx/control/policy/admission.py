@@ -35,15 +35,17 @@ class Admission:
                argv: list[str] | None = None, config: dict | None = None, checkpoint_dir: str | None = None,
                cwd: str, env: dict | None = None, auto_resume: bool = False, max_retries: int = 0,
                recovery: str = "restart", straggler_factor: float = 2.0, straggler_steps: int = 5,
-               straggler_policy: str = "report") -> Job:
+               straggler_policy: str = "report", priority: int = 0) -> Job:
         status = self.store.cluster()["status"]
         if status not in (ClusterStatus.IN_SERVICE.value, ClusterStatus.DEGRADED.value):
             raise JobRequestError(409, f"cluster {self.spec.name} is {status}; jobs run on a cluster in service")
         g = self._group(group)
-        if nodes > g.count:
-            raise JobRequestError(422, f"--nodes {nodes} is more than group {g.name} has: {g.count} worker nodes "
+        count = self._group_count(g.name)
+        if nodes > count:
+            raise JobRequestError(422, f"--nodes {nodes} is more than group {g.name} has: {count} worker nodes "
                                        f"(+{g.spares} spares, which stand by to replace faulty nodes and run no "
-                                       f"jobs); use --nodes {g.count} or fewer, or grow the group's count")
+                                       f"jobs); use --nodes {count} or fewer, or grow the group "
+                                       f"(`phalanx cluster scale {g.name} --count N`)")
         if kind == "train":
             if config is None or not checkpoint_dir:
                 raise JobRequestError(422, "a train job needs its resolved config and checkpoint_dir")
@@ -54,6 +56,13 @@ class Admission:
             straggler = StragglerSettings(straggler_factor, straggler_steps, straggler_policy)
         except ValueError as err:
             raise JobRequestError(422, str(err)) from None
+        elastic = None
+        if kind == "train" and config is not None and config.get("elastic") is not None:
+            from phalanx.control.policy.elastic import admit
+
+            elastic = admit(config, self._group_count(g.name), g.profile.worker_slots)
+            recovery = protocol.CHECKPOINTLESS  # a resize is an in-place regroup: the processes are kept
+            nodes = elastic["min_replicas"] * elastic["nodes_per_replica"]  # at first; the scheduler fits more
         if recovery == protocol.CHECKPOINTLESS:
             if kind != "train":
                 raise JobRequestError(422, "--recovery checkpointless needs a training config: a command's state "
@@ -69,7 +78,7 @@ class Admission:
                                        workers_per_node=g.profile.worker_slots, argv=argv, cwd=cwd, env=env or {},
                                        config=config, jobs_root=jobs_root, checkpoint_dir=checkpoint_dir,
                                        auto_resume=auto_resume, max_retries=max_retries, recovery=recovery,
-                                       straggler=straggler.to_dict())
+                                       straggler=straggler.to_dict(), elastic=elastic, priority=priority)
         (Path(job.job_dir) / "logs").mkdir(parents=True, exist_ok=True)
         if config is not None:
             (Path(job.job_dir) / "config.json").write_text(json.dumps(config, indent=2))
@@ -88,6 +97,10 @@ class Admission:
         except KeyError:
             raise JobRequestError(422, f"no instance group {name!r}; groups: "
                                        f"{', '.join(g.name for g in groups)}") from None
+
+    def _group_count(self, name: str) -> int:
+        """The group's member count now (`cluster scale` changes it; the spec keeps the count it was created with)."""
+        return next((g["count"] for g in self.store.groups() if g["name"] == name), self.spec.group(name).count)
 
     def find(self, key: str) -> Job:
         job = self.records.find(key)

@@ -66,7 +66,11 @@ class Assignments:
             out = []
             for job in self.records.jobs(ACTIVE):
                 gen = self.records.generation(job.id, job.generation)
-                if gen is None or node.name not in gen.nodes:
+                if gen is None:
+                    continue
+                if node.name not in gen.nodes:
+                    if self.leaving(job, gen, node.name, sent_at):  # a resize left it: its workers exit by themselves
+                        out.append(Assignment(job=job.id, generation=gen.generation, hold=True, ranks=[]))
                     continue
                 if job.state == J.RECOVERING:
                     if self.inplace.in_place(job, gen):  # survivors wait in their processes for the next generation

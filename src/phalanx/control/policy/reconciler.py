@@ -204,7 +204,8 @@ class Reconciler:
         nodes = self.store.nodes(include_terminated=False)
         members = [n for n in nodes if n.live and not n.is_spare]
         unhealthy = [n for n in members if n.state != S.HEALTHY]
-        short = [g.name for g in self.spec.instance_groups if sum(1 for n in members if n.group == g.name) < g.count]
+        short = [g["name"] for g in self.store.groups()
+                 if sum(1 for n in members if n.group == g["name"]) < g["count"]]
         if unhealthy or short:
             what = ", ".join(f"{n.name} {n.state.value}" for n in unhealthy) or f"groups short of members: {short}"
             self.store.set_status(ClusterStatus.DEGRADED, f"members not healthy: {what}")
@@ -270,6 +271,10 @@ class Reconciler:
             live = [n for n in nodes if n.group == g["name"] and n.live]
             members = sum(1 for n in live if not n.is_spare)
             spares = sum(1 for n in live if n.is_spare)
+            if members > g["count"]:  # `cluster scale` lowered the count: retire idle members, newest first
+                idle = [n for n in live if not n.is_spare and not n.job and n.state in (S.HEALTHY, *BRINGUP_STATES)]
+                for node in sorted(idle, key=lambda n: n.created_at, reverse=True)[:members - g["count"]]:
+                    self.start_retiring(node, f"group {g['name']} scaled down to {g['count']} members")
             if members >= g["count"] and spares >= g["spares"]:
                 continue
             if g["provision_failures"] >= MAX_PROVISION_FAILURES:

@@ -47,15 +47,17 @@ from phalanx.control.state.jobs import FaultKind, Outcome, ACTIVE, Generation, J
 from phalanx.control.state.store import Node, NodeState, Store
 from phalanx.control.policy.admission import Admission
 from phalanx.control.policy.assignments import Assignments
+from phalanx.control.policy.elastic import Elasticity
 from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
 
 
-class JobScheduler(Admission, Assignments, StragglerPolicy):
-    """Admission (`admission.py`), the heartbeat side (`assignments.py`) and the straggler policy
-    (`straggler_policy.py`) are its mixins; the generations' lifecycle and the fault policy are here."""
+class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
+    """Admission (`admission.py`), the heartbeat side (`assignments.py`), the straggler policy
+    (`straggler_policy.py`) and elastic sizes (`elastic.py`) are its mixins; the generations' lifecycle and
+    the fault policy are here."""
 
     def __init__(self, store: Store, backend, *, jobs_root: Path,
                  read_progress: Callable[[str, int, list[int]], dict[int, dict]] | None,
@@ -77,6 +79,7 @@ class JobScheduler(Admission, Assignments, StragglerPolicy):
         self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous, clock)  # checkpointless jobs
         self._watches: dict[tuple[str, int], StragglerWatch] = {}  # (job, generation) → the straggler rule's state
         self._flagged: dict[str, list[dict]] = {}  # job → its stragglers so far (`stragglers()`)
+        self._grow_seen: dict[str, float] = {}  # elastic job → since when free nodes would let it grow
 
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:
@@ -271,28 +274,37 @@ class JobScheduler(Admission, Assignments, StragglerPolicy):
     # ---- ticks: advance (after node recovery) -------------------------------------------------------
     def advance(self, now: float) -> None:
         with self.lock:
+            self.rescale(now)  # elastic jobs: requests, preemption, growth (elastic.py)
             waiting = [j for j in self.records.jobs((J.RECOVERING,))
                        if (g := self.records.generation(j.id, j.generation)) is not None and g.ended_at is not None]
-            for job in waiting + self.records.jobs((J.PENDING,)):
+            pending = sorted(self.records.jobs((J.PENDING,)), key=lambda j: (-j.priority, j.seq))
+            for job in waiting + pending:
                 nodes, why = self._choose_nodes(job)
                 if nodes is None:
                     self._wait(job, why)
                 else:
                     self._launch(job, nodes)
 
-    def _choose_nodes(self, job: Job) -> tuple[list[str] | None, str]:
+    def _usable(self, job: Job) -> tuple[list[str], list[str]]:
+        """(the job's own nodes it can keep, free nodes it could take): healthy members of its group that no
+        other job holds and no other job's worker still runs on (a stopped generation's nodes are confirmed
+        clean: see _all_stopped)."""
         taken = {n for j in self.records.jobs(ACTIVE) if j.id != job.id for n in j.nodes}
         taken |= {n for g in self.records.generations(open_only=True) if g.job != job.id for n in g.nodes}
-        live_workers = {w.node for w in self.records.workers() if w.live and w.job != job.id}
+        # (a node this job's own resize left is busy too until its workers have exited)
+        live_workers = {w.node for w in self.records.workers() if w.live and (w.job != job.id or w.node not in job.nodes)}
+        ok = {n.name for n in self.store.nodes(include_terminated=False)
+              if n.state == S.HEALTHY and not n.is_spare and n.group == job.group_name and n.name not in taken
+              and n.name not in live_workers}
+        return ([n for n in job.nodes if n in ok],
+                [n.name for n in self.store.nodes(include_terminated=False) if n.name in ok and n.name not in job.nodes])
 
-        def usable(n: Node) -> bool:  # (a stopped generation's nodes are confirmed clean: see _all_stopped)
-            return (n.state == S.HEALTHY and not n.is_spare and n.group == job.group_name and n.name not in taken
-                    and n.name not in live_workers)
-
+    def _choose_nodes(self, job: Job) -> tuple[list[str] | None, str]:
+        keep, free = self._usable(job)
+        if job.elastic is not None:  # as many replicas as fit, from min up to its cap (elastic.py)
+            return self.elastic_nodes(job, keep, free)
         nodes = self.store.nodes(include_terminated=False)
-        ok = {n.name for n in nodes if usable(n)}
-        keep = [n for n in job.nodes if n in ok]
-        free = [n.name for n in nodes if n.name in ok and n.name not in job.nodes]
+        ok = set(keep) | set(free)
         need = job.nodes_requested - len(keep)
         if len(free) < need:
             if job.state == J.PENDING:
@@ -340,7 +352,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy):
             what += "; checkpointless: survivors regroup in place, replacements restore from peers' memory"
         elif g > 1:
             what += "; resuming from the newest checkpoint" if job.kind == "train" else "; restarting the command"
-        self.records.transition(job.id, J.RUNNING, what, generation=g, attempts=job.attempts + 1, nodes=nodes)
+        self.records.transition(job.id, J.RUNNING, what, generation=g, attempts=job.attempts + 1, nodes=nodes,
+                                nodes_requested=len(nodes))
         self.store.record_event(E.GENERATION, what, job=job.id)
         log.info("job %s: %s", job.id, what)
 

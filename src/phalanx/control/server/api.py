@@ -84,6 +84,17 @@ class JobRequest(BaseModel):
     straggler_factor: float = Field(2.0, gt=1, description="a rank slower than this × its peers' median …")
     straggler_steps: int = Field(5, ge=1, description="… for this many reports in a row is a straggler")
     straggler_policy: Literal["report", "replace-node"] = "report"
+    priority: int = Field(0, description="a pending job takes nodes from running elastic jobs of lower priority")
+
+
+class ScaleJobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: int = Field(..., ge=1)
+
+
+class ScaleGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(..., ge=0)
 
 
 def build_app(ctl) -> FastAPI:
@@ -262,6 +273,28 @@ def build_app(ctl) -> FastAPI:
             return ctl.jobs.cancel(key).public()
         except JobRequestError as err:
             raise HTTPException(err.status, str(err)) from None
+
+    @app.post("/v1/jobs/{key}/scale", status_code=202)
+    def scale_job(key: str, req: ScaleJobRequest) -> dict:
+        try:
+            return ctl.jobs.scale(key, req.replicas).public()
+        except JobRequestError as err:
+            raise HTTPException(err.status, str(err)) from None
+
+    @app.post("/v1/groups/{name}/scale", status_code=202)
+    def scale_group(name: str, req: ScaleGroupRequest) -> dict:
+        groups = {g["name"]: g for g in store.groups()}
+        if name not in groups:
+            raise HTTPException(404, f"no instance group {name!r}; groups: {', '.join(groups)}")
+        before = groups[name]["count"]
+        store.update_group(name, count=req.count)
+        what = f"group {name} scaled from {before} to {req.count} members by the operator"
+        store.record_event(E.CLUSTER, what)
+        ctl.log.info(what)
+        return {"group": name, "count": req.count, "before": before,
+                "detail": "new members are provisioned" if req.count > before else
+                          "idle members beyond the count are retired; members running a job stay until it ends"
+                          if req.count < before else "unchanged"}
 
     @app.post("/v1/controller/stop", status_code=202)
     def stop_controller() -> dict:

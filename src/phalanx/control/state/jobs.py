@@ -56,6 +56,7 @@ class Outcome(str, Enum):
     PROCESS_FAULT = "process-fault"  # checkpointless: a worker died, its node is healthy
     STRANDED = "stranded"
     REGROUP_FAILED = "regroup-failed"
+    RESIZED = "resized"  # elastic: replicas joined or left; survivors carried into the next generation
 
     def __str__(self) -> str:
         return self.value
@@ -82,7 +83,7 @@ JOB_ALLOWED: dict[JobState, set[JobState]] = {
 FINAL = (J.SUCCEEDED, J.FAILED, J.CANCELLED)
 ACTIVE = (J.RUNNING, J.RECOVERING)  # holding nodes
 
-_JSON_FIELDS = ("nodes", "argv", "env", "config", "faults", "restored", "standbys", "straggler")
+_JSON_FIELDS = ("nodes", "argv", "env", "config", "faults", "restored", "standbys", "straggler", "elastic")
 
 
 def _enc(values: dict) -> dict:
@@ -130,6 +131,17 @@ class Job:
     updated_at: float
     ended_at: float | None
     straggler: dict | None = None  # {"factor", "steps", "policy"}: the straggler rule's settings (None: defaults)
+    # elastic jobs: protocol.elastic.ElasticSettings + {"ranks_per_replica", "nodes_per_replica", "target" (a
+    # `job scale` request), "changed_at" (the last resize)}; None: a fixed-size job
+    elastic: dict | None = None
+    priority: int = 0  # a pending job of higher priority takes nodes from lower-priority elastic jobs
+
+    @property
+    def replicas(self) -> int | None:
+        """An elastic job's replica count now (its current generation's nodes), else None."""
+        if self.elastic is None:
+            return None
+        return len(self.nodes) // self.elastic["nodes_per_replica"]
 
     @property
     def world_size(self) -> int:
@@ -139,6 +151,7 @@ class Job:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["state"] = self.state.value
         d["world_size"] = self.world_size
+        d["replicas"] = self.replicas
         d.pop("config")  # large; `job describe --json` shows it
         return d
 
@@ -219,7 +232,8 @@ class JobRecords:
     # ---- jobs ---------------------------------------------------------------------------------------
     def add_job(self, *, name: str | None, kind: str, group: str, nodes: int, workers_per_node: int, argv: list,
                 cwd: str, env: dict, config: dict | None, jobs_root: str, checkpoint_dir: str | None,
-                auto_resume: bool, max_retries: int, recovery: str = "restart", straggler: dict | None = None) -> Job:
+                auto_resume: bool, max_retries: int, recovery: str = "restart", straggler: dict | None = None,
+                elastic: dict | None = None, priority: int = 0) -> Job:
         now = self.store.clock()
         with self.store.transaction() as db:
             (seq,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()
@@ -231,7 +245,7 @@ class JobRecords:
                 "cwd": cwd, "env": env, "config": config, "job_dir": job_dir,
                 "checkpoint_dir": checkpoint_dir or f"{job_dir}/checkpoints", "nodes": [],
                 "auto_resume": int(auto_resume), "max_retries": max_retries, "reason": "waiting to be scheduled",
-                "recovery": recovery, "straggler": straggler,
+                "recovery": recovery, "straggler": straggler, "elastic": elastic, "priority": priority,
                 "created_at": now, "updated_at": now,
             })
             db.execute(f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",

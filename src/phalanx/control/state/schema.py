@@ -42,6 +42,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     auto_resume INTEGER NOT NULL, max_retries INTEGER NOT NULL,
     recovery TEXT NOT NULL DEFAULT 'restart',  -- restart | checkpointless
     straggler_json TEXT,                      -- {"factor", "steps", "policy"} (NULL: the defaults)
+    elastic_json TEXT,                        -- elastic jobs: settings, target, last change (NULL: fixed size)
+    priority INTEGER NOT NULL DEFAULT 0,
     attempts INTEGER NOT NULL DEFAULT 0,      -- generations started
     retries INTEGER NOT NULL DEFAULT 0,       -- restarts after application errors
     node_faults INTEGER NOT NULL DEFAULT 0,   -- generations ended by a node fault
@@ -88,6 +90,7 @@ def migrate(db: sqlite3.Connection) -> None:
       added empty (the counts of faults before the upgrade are not reconstructed from the events' free text;
       a counter that starts at the upgrade is what Prometheus expects of a restarted process anyway).
     - Before straggler settings a job had none: `jobs.straggler_json` is added, NULL (the defaults).
+    - Before elastic jobs: `jobs.elastic_json` (NULL: a fixed-size job) and `jobs.priority` (0) are added.
     """
     columns = {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
     if columns and "handle" not in columns:
@@ -101,3 +104,6 @@ def migrate(db: sqlite3.Connection) -> None:
     job_columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
     if job_columns and "straggler_json" not in job_columns:
         db.execute("ALTER TABLE jobs ADD COLUMN straggler_json TEXT")
+    if job_columns and "elastic_json" not in job_columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN elastic_json TEXT")
+        db.execute("ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0")

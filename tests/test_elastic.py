@@ -1,0 +1,151 @@
+"""Elastic training on a local cluster, with real processes: a job resized in place by `job scale` (4 → 2 → 3 →
+4 replicas, 3 splitting the global batch unevenly) keeps its global batch and its data order and matches the
+fixed-size run's loss at every step and its final parameters within 1e-5 (CPU, fp32); a node failure with no
+spare shrinks the job in place and it grows back onto the replacement; a higher-priority job takes nodes from
+it and gives them back when it ends. No checkpoint is read on any of these changes.
+
+The fixed-size reference is the same config trained by `phalanx train --nproc 4` (4 replicas).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from clusters import home, wait_for  # noqa: F401  (home is a fixture)
+from conftest import run_training, tiny_config
+from phalanx.control.client.cluster import create_cluster
+from phalanx.control.client.jobs import JobClient
+from test_jobs import sleeper, step_at_least, write_config, write_spec
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+GLOBAL_BATCH = 12  # over 4 replicas 3 each, over 3: 4 each, over 2: 6 each — micro-batches of at most 2
+
+
+def elastic_config(run_dir: Path, data: Path, max_steps: int = STEPS, **elastic):
+    return tiny_config(run_dir, data, parallel={"dp_shard": 1},
+                       elastic={"min_replicas": 1, "max_replicas": 4, "stable_period_s": 0, "scale_up_delay_s": 0,
+                                **elastic},
+                       resilience={"recovery": "checkpointless", "regroup_timeout_s": 60.0,
+                                   "recovery_timeout_s": 120.0},
+                       training={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2, "max_steps": max_steps,
+                                 "log_interval": 8},
+                       lr_schedule={"warmup_steps": 3, "total_steps": STEPS},
+                       checkpoint={"interval": 20, "keep": 5})
+
+
+def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "event" not in r], [r for r in lines if "event" in r]
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of the run's last checkpoint, read back into one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    last = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    out = run_dir / "final.pt"
+    dcp_to_torch_save(last, out)
+    state = torch.load(out, weights_only=False)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", state["model_optim"])  # the parameters and AdamW's moments (not the RNG states, which are per rank)
+    return flat
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_data) -> tuple[dict[int, float], Path]:
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    steps = run_training(elastic_config(run_dir, demo_data, max_replicas=4, min_replicas=4), 4)
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    return {s["step"]: s["loss"] for s in steps}, run_dir
+
+
+def test_job_scale_resizes_in_place_keeping_batch_order_and_loss(tmp_path, home, demo_data, reference):
+    ref_loss, ref_dir = reference
+    create_cluster(write_spec(tmp_path, count=4, spares=0), timeout_s=90)
+    jobs = JobClient("c1")
+    run_dir = tmp_path / "run"
+    job = jobs.submit(write_config(tmp_path / "el.yaml", elastic_config(run_dir, demo_data)), name="el")
+    assert job["recovery"] == "checkpointless" and job["elastic"]["valid"] == [1, 2, 3, 4]
+    info = step_at_least(jobs, "el", 6)
+    assert info["replicas"] == 4, "an elastic job starts with every free node up to max_replicas"
+    for replicas, at in ((2, 14), (3, 24), (4, 32)):
+        jobs.scale("el", replicas)
+        wait_for(lambda: (i := jobs.describe("el"))["replicas"] == replicas and i["state"] == "running", 60,
+                 f"the job to run {replicas} replicas")
+        step_at_least(jobs, "el", at, timeout=120)
+    info = jobs.wait("el", timeout_s=180)
+    assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+
+    gens = info["generations"]
+    assert [len(g["nodes"]) for g in gens] == [4, 2, 3, 4]
+    assert [g["outcome"] for g in gens] == ["resized", "resized", "resized", "succeeded"]
+    # survivors kept their processes: the first two ranks run in one process each from start to end
+    pids = {(w["generation"], w["rank"]): w["pid"] for w in info["workers"]}
+    assert all(pids[(g, r)] == pids[(1, r)] for g in (2, 3, 4) for r in (0, 1))
+    kinds = [e["kind"] for e in info["events"]]
+    assert kinds.count("resize") >= 6, kinds  # 3 requests + 3 changes, each with its reason
+
+    steps, events = records(run_dir)
+    # every step once, in order: no step redone, none skipped; the position is one integer
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert [s["samples_consumed"] for s in steps] == [GLOBAL_BATCH * s for s in range(1, STEPS + 1)]
+    worst = max(abs(s["loss"] - ref_loss[s["step"]]) for s in steps)
+    assert worst <= 1e-5, f"loss differs from the fixed-size run by up to {worst}"
+    restored = [e for e in events if e["event"] == "state_restored"]
+    assert len(restored) == 3 and all(e["source"] == "peer-memory" for e in restored), restored
+    assert all(e["steps_lost"] == 0 for e in events if e["event"] == "resumed")
+    assert not [e for e in events if e["event"] == "resumed" and e.get("recovery") == "checkpoint"]
+
+    mine, theirs = final_params(run_dir), final_params(ref_dir)
+    assert mine.keys() == theirs.keys() and mine
+    worst = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
+    assert worst <= 1e-5, f"final parameters differ from the fixed-size run's by up to {worst}"
+
+
+def test_fault_without_spare_shrinks_then_grows_and_priority_takes_nodes(tmp_path, home, demo_data):
+    create_cluster(write_spec(tmp_path, count=4, spares=0), timeout_s=90)
+    jobs = JobClient("c1")
+    from phalanx.control.client.cluster import ClusterClient
+
+    client = ClusterClient("c1")
+    run_dir = tmp_path / "run"
+    jobs.submit(write_config(tmp_path / "el.yaml", elastic_config(run_dir, demo_data, max_steps=400)), name="el")
+    step_at_least(jobs, "el", 4)
+    victim = jobs.describe("el")["nodes"][3]
+    client.inject_fault(victim, "kill-node")
+    # no spare: the job goes on with 3 replicas at once, then grows back onto the freshly provisioned node
+    shrunk = wait_for(lambda: (i := jobs.describe("el"))["replicas"] == 3 and i["state"] == "running" and i, 60,
+                      "the job to shrink to 3 replicas")
+    assert victim not in shrunk["nodes"]
+    grown = wait_for(lambda: (i := jobs.describe("el"))["replicas"] == 4 and i["state"] == "running" and i, 90,
+                     "the job to grow back to 4 replicas")
+    assert victim not in grown["nodes"]
+    # a higher-priority job takes two nodes; the elastic job gives them and takes them back when it ends
+    step = jobs.describe("el")["last_step"]
+    jobs.submit(command=sleeper(6), nodes=2, name="urgent", priority=10)
+    wait_for(lambda: jobs.describe("urgent")["state"] == "running", 60, "the urgent job to start")
+    assert jobs.describe("el")["replicas"] == 2
+    assert jobs.wait("urgent", timeout_s=60)["state"] == "succeeded"
+    wait_for(lambda: jobs.describe("el")["replicas"] == 4, 60, "the elastic job to grow back")
+    step_at_least(jobs, "el", step + 4)
+    jobs.cancel("el")
+    info = jobs.wait("el", timeout_s=60)
+    outcomes = [g["outcome"] for g in info["generations"]]
+    assert outcomes[:1] == ["node-fault"] and outcomes.count("resized") >= 3, outcomes
+    steps, events = records(run_dir)
+    assert not [e for e in events if e["event"] == "resumed" and e.get("recovery") == "checkpoint"]
+    assert all(e["steps_lost"] == 0 for e in events if e["event"] == "resumed")
