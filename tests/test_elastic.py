@@ -105,10 +105,16 @@ def test_job_scale_resizes_in_place_keeping_batch_order_and_loss(tmp_path, home,
     assert [s["samples_consumed"] for s in steps] == [GLOBAL_BATCH * s for s in range(1, STEPS + 1)]
     worst = max(abs(s["loss"] - ref_loss[s["step"]]) for s in steps)
     assert worst <= 1e-5, f"loss differs from the fixed-size run by up to {worst}"
+    resized = [e for e in events if e["event"] == "resized"]
+    assert [(e["from_world_size"], e["world_size"]) for e in resized] == [(4, 2), (2, 3), (3, 4)]
+    assert not [e for e in events if e["event"] == "fault_detected"], "a resize is not a fault"
     restored = [e for e in events if e["event"] == "state_restored"]
     assert len(restored) == 3 and all(e["source"] == "peer-memory" for e in restored), restored
     assert all(e["steps_lost"] == 0 for e in events if e["event"] == "resumed")
     assert not [e for e in events if e["event"] == "resumed" and e.get("recovery") == "checkpoint"]
+
+    ledger = jobs.goodput("el")  # the resizes' stalls are their own category, not a fault's detection or recovery
+    assert ledger.seconds["resizing"] > 0 and ledger.seconds["failure_detection"] == ledger.seconds["recovery"] == 0
 
     mine, theirs = final_params(run_dir), final_params(ref_dir)
     assert mine.keys() == theirs.keys() and mine

@@ -28,6 +28,9 @@ Priority (highest first) and where each interval comes from:
   recovery            K → the start of the first step of the next generation (regroup, stopping and relaunching
                       processes, restore from peers, the first step's warm-up); a restore from a checkpoint
                       inside it is checkpoint_restore
+  resizing            an elastic job's resize (the controller's `resize` event, not a fault: nothing to detect)
+                      → the start of the first step of the next generation (regroup at the new size, joiners'
+                      restore from peers, the first step's warm-up)
   initialization      submission → the start of the first step of the first generation (placement, process
                       start, build, the first step's warm-up); a generation started without a fault (a run
                       launched again outside a cluster) → its first step likewise
@@ -63,12 +66,12 @@ from phalanx.observability.run_events import events_path, read_events
 
 PRODUCTIVE, INITIALIZATION, CHECKPOINT_SAVE, CHECKPOINT_RESTORE = (
     "productive", "initialization", "checkpoint_save", "checkpoint_restore")
-FAILURE_DETECTION, WAITING, RECOVERY, REPLAYED, IDLE = (
-    "failure_detection", "waiting_for_nodes", "recovery", "replayed", "idle")
+FAILURE_DETECTION, WAITING, RECOVERY, RESIZING, REPLAYED, IDLE = (
+    "failure_detection", "waiting_for_nodes", "recovery", "resizing", "replayed", "idle")
 CATEGORIES = (PRODUCTIVE, INITIALIZATION, CHECKPOINT_SAVE, CHECKPOINT_RESTORE, FAILURE_DETECTION, WAITING,
-              RECOVERY, REPLAYED, IDLE)
+              RECOVERY, RESIZING, REPLAYED, IDLE)
 PRIORITY = (PRODUCTIVE, REPLAYED, CHECKPOINT_SAVE, CHECKPOINT_RESTORE, FAILURE_DETECTION, WAITING, RECOVERY,
-            INITIALIZATION)  # highest first; a segment no interval covers is IDLE
+            RESIZING, INITIALIZATION)  # highest first; a segment no interval covers is IDLE
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 METRICS_FILE = "metrics.jsonl"
 TOLERANCE_S = 1e-6
@@ -170,6 +173,11 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
         return core_start[i] if i is not None else end
 
     known = _faults_known(ctl, gens) if any(e.kind == K.GENERATION for e in ctl) else []  # (a cluster's run)
+    resized = [(g, k) for g, k, resize in known if resize]
+    known = [(g, k) for g, k, resize in known if not resize]
+    for g, k in resized:
+        nxt = next((t for t in gens if t > k), None)
+        add(k, first_core_after(nxt) if nxt is not None else end, RESIZING)
     for g, k in known:
         i = bisect_left(life, k)
         f = life[i - 1] if i > 0 and life[i - 1] > g else k  # no sign of life: the fault's moment is unknown
@@ -181,10 +189,10 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
             add(e.time, next((t for t in gens if t > e.time), end), WAITING)
 
     # initialization: submission → the first step; a generation started without a fault likewise
-    faulted = {g for g, _ in known}
+    faulted = {g for g, _ in known + resized}
     add(submitted, first_core_after(gens[0] if gens else submitted), INITIALIZATION)
     for prev, g in zip(gens, gens[1:]):
-        if prev not in faulted and not any(prev < k <= g for _, k in known):
+        if prev not in faulted and not any(prev < k <= g for _, k in known + resized):
             add(g, first_core_after(g), INITIALIZATION)
     return _partition(submitted, end, intervals)
 
@@ -224,18 +232,24 @@ def _generation_starts(ctl: list[Event], rank0: list[Event]) -> list[float]:
             if e.kind == K.STARTED or (e.kind == K.RESUMED and e.fields.get("recovery") is None)]
 
 
-def _faults_known(ctl: list[Event], gens: list[float]) -> list[tuple[float, float]]:
-    """(generation start, K) for each generation the controller learned a fault of: its first fault word in
-    the generation, or the next generation's start when it said none."""
+def _faults_known(ctl: list[Event], gens: list[float]) -> list[tuple[float, float, bool]]:
+    """(generation start, K, resize) for each generation that ended before its job did: K is the controller's
+    first fault word in the generation, or the next generation's start when it said none; `resize`: that
+    word was an elastic resize (its `resize` event comes first), not a fault."""
     out = []
     for i, g in enumerate(gens):
         nxt = gens[i + 1] if i + 1 < len(gens) else math.inf
-        said = [e.time for e in ctl if g <= e.time < nxt and _says_fault(e)]
+        said = [e for e in ctl if g <= e.time < nxt and (_says_fault(e) or _resize(e))]
         if said:
-            out.append((g, said[0]))
+            out.append((g, said[0].time, _resize(said[0])))
         elif nxt != math.inf:
-            out.append((g, nxt))
+            out.append((g, nxt, False))
     return out
+
+
+def _resize(e: Event) -> bool:
+    """The controller's word that an elastic job changes size now (not a `scale requested` note)."""
+    return e.kind == K.RESIZE and (e.message or "").startswith("resize ")
 
 
 def _submission(e: Event) -> bool:

@@ -69,11 +69,13 @@ def standby_key(standby_id: str) -> str:
     return f"standby/{standby_id}"
 
 
-def publish_generation(store, job_id: str, generation: int, nodes: list[str], workers_per_node: int) -> None:
+def publish_generation(store, job_id: str, generation: int, nodes: list[str], workers_per_node: int,
+                       cause: str = "fault") -> None:
     """Controller side: the layout first, then the generation number (a watcher that sees the number can
-    read the layout)."""
+    read the layout). `cause`: why the generation before it ended — "fault", or "resize" (an elastic job's
+    size changed: its workers record a `resized` event, not a `fault_detected`)."""
     layout = {"nodes": list(nodes), "workers_per_node": workers_per_node,
-              "world_size": len(nodes) * workers_per_node}
+              "world_size": len(nodes) * workers_per_node, "cause": cause}
     store.set(layout_key(job_id, generation), json.dumps(layout))
     store.set(generation_key(job_id), str(generation))
 

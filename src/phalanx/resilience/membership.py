@@ -86,6 +86,7 @@ class Placement:
     rank: int
     world_size: int
     nodes: tuple[str, ...]
+    cause: str = "fault"  # why the generation before it ended: "fault", or "resize" (an elastic job)
 
 
 class Membership:
@@ -132,7 +133,7 @@ class Membership:
             raise NotInGeneration(f"node {self.node} has no place in generation {generation} (nodes: "
                                   f"{', '.join(nodes)})")
         rank = protocol.rank_of(nodes, self.node, self.local_rank, layout["workers_per_node"])
-        return Placement(generation, rank, layout["world_size"], tuple(nodes))
+        return Placement(generation, rank, layout["world_size"], tuple(nodes), layout.get("cause", "fault"))
 
     def wait_for_newer(self, than: int, timeout_s: float) -> int:
         """Block until a generation newer than `than` is published; return it. TimeoutError after timeout_s."""

@@ -86,6 +86,7 @@ class Fault:
     what: str
     step: int | None
     again: int = 0
+    world_size: int | None = None  # of the generation it happened in
 
 
 class CheckpointlessRun:
@@ -105,6 +106,7 @@ class CheckpointlessRun:
         self.last_record: dict | None = None  # the newest step this rank completed (its metrics record)
         self.fault: Fault | None = None
         self.trainer = None
+        self.world_size: int | None = None  # of the generation this rank is in (or last was)
         self.snapshots: BuddySnapshots | None = None
         self.marks: dict[str, float] = {"started": self.process_started_at}  # when each phase ended (wall)
         self.drill = Drill(config.resilience.drill, int(env.get("RANK", "0")), self.generation)
@@ -156,7 +158,7 @@ class CheckpointlessRun:
         resumed = self.trainer is not None and self.trainer.ready  # trained (or restored) in this generation
         if self.fault is None or (resumed and self.fault.generation != self.generation):
             step = self.trainer.progress.step if resumed else self.carried.step if self.carried is not None else None
-            self.fault = Fault(self.generation, now, what, step)
+            self.fault = Fault(self.generation, now, what, step, world_size=self.world_size)
         else:  # a fault during the recovery from an earlier one: the same recovery goes on, from the same step
             self.fault.again += 1
         step = self.fault.step
@@ -192,6 +194,7 @@ class CheckpointlessRun:
         self.membership.forming(generation)  # until `watch` below: a newer generation makes this rank leave
         placement = self.membership.placement(generation)
         self.membership.arrive(placement, self.settings.regroup_timeout_s)
+        self.world_size = placement.world_size
         if self.reporter is not None:  # from here on a freeze is seen: the beat stops under this generation's keys
             self.reporter.switch(generation, placement.rank, wait_s=SWITCH_WAIT_S)
         marks["arrived"] = time.time()
@@ -255,7 +258,7 @@ class CheckpointlessRun:
         infos: list = [None] * placement.world_size
         dist.all_gather_object(infos, info)
         self.marks["gathered"] = time.time()
-        told = self._record_fault(trainer, infos)
+        told = self._record_fault(trainer, infos, placement.cause)
         plan = choose_plan([i["holding"] for i in infos])
         received, restore_error = 0, None
         if plan.kind == "memory":
@@ -292,7 +295,7 @@ class CheckpointlessRun:
         """States travel in host memory over gloo: the default group on CPU, a gloo group beside NCCL."""
         return None if self.backend == "gloo" else dist.new_group(backend="gloo")
 
-    def _record_fault(self, trainer, infos: list[dict]) -> list[dict] | None:
+    def _record_fault(self, trainer, infos: list[dict], cause: str = "fault") -> list[dict] | None:
         """Rank 0, after a fault: what happened and how the generation formed, before any state moves. Returns
         those events (None on other ranks and on a first start); `_record_restored` writes them once the state
         is restored, so a generation that fails half-way leaves no partial recovery in metrics.jsonl."""
@@ -310,9 +313,13 @@ class CheckpointlessRun:
         first = min(faults, key=lambda f: f["at"])
         t0 = first["at"]
         fresh = [i["rank"] for i in infos if i["fault"] is None]
-        self._event(told, "fault_detected", at=first["at"], generation=first["generation"],
-                    step=first["step"], what=first["what"], detected_by=len(faults),
-                    failed_generations=1 + max(f.get("again", 0) for f in faults))
+        if cause == "resize":  # an elastic job's size changed: the controller ended the generation, nothing failed
+            self._event(told, "resized", at=first["at"], generation=first["generation"], step=first["step"],
+                        from_world_size=first.get("world_size"), world_size=len(infos), what=first["what"])
+        else:
+            self._event(told, "fault_detected", at=first["at"], generation=first["generation"],
+                        step=first["step"], what=first["what"], detected_by=len(faults),
+                        failed_generations=1 + max(f.get("again", 0) for f in faults))
         phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
         self._event(told, "generation", generation=self.generation, world_size=len(infos),
                     survivors=len(faults), replacements=fresh,

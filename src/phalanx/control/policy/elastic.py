@@ -170,8 +170,8 @@ class Elasticity:
         self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome=Outcome.RESIZED,
                                        end_reason=what)
         self.records.update_job(job.id, elastic={**e, "changed_at": now})
+        self.store.record_event(E.RESIZE, what, job=job.id)  # before the job → recovering: the ledger tells them apart
         self.records.transition(job.id, J.RECOVERING, f"{what}; next: survivors regroup in place")
-        self.store.record_event(E.RESIZE, what, job=job.id)
         log.info("job %s generation %d: %s", job.id, gen.generation, what)
         self._grow_seen.pop(job.id, None)
         self._launch(self.records.job(job.id), nodes)

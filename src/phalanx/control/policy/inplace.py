@@ -245,7 +245,10 @@ class InPlaceRecovery:
     def publish(self, job: Job, gen: Generation) -> None:
         """The generation's layout and number, which checkpointless workers watch."""
         if job.recovery == protocol.CHECKPOINTLESS and self.rendezvous is not None:
-            protocol.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, job.workers_per_node)
+            prev = self.records.generation(job.id, gen.generation - 1) if gen.generation > 1 else None
+            cause = "resize" if prev is not None and prev.outcome == Outcome.RESIZED else "fault"
+            protocol.publish_generation(self.rendezvous, job.id, gen.generation, gen.nodes, job.workers_per_node,
+                                        cause)
 
     def republish(self) -> None:
         """A restarted controller's store is empty: publish the current generation of every active job again."""

@@ -10,7 +10,7 @@ const SVG = "http://www.w3.org/2000/svg";
 const CATEGORY_COLORS = {
   productive: "#2e9d5b", replayed: "#b8d98a", initialization: "#6c8ebf", checkpoint_save: "#9b7fd1",
   checkpoint_restore: "#c59be8", failure_detection: "#e0533d", waiting_for_nodes: "#f0a33a",
-  recovery: "#f3c74a", idle: "#c9cdd3",
+  recovery: "#f3c74a", resizing: "#7ec8c8", idle: "#c9cdd3",
 };
 const PHASE_COLORS = { fault: "#c0392b", detect: "#e0533d", regroup: "#f0a33a", restore: "#9b7fd1",
   first_step: "#2e9d5b", straggler: "#d35400" };
