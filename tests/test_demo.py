@@ -71,3 +71,23 @@ def test_demo_kills_a_node_halfway_and_the_job_recovers_on_the_spare(tmp_path, h
     assert "what the failure cost" in out and "workers-1 → workers-2" in out and "deleting the cluster" in out
     assert "survivor stall" in out and "replacement rejoin" in out and "steps lost" in out
     assert list_clusters() == [], "the demo deletes its cluster"
+
+
+@pytest.mark.slow
+def test_elastic_demo_grows_shrinks_on_a_fault_and_for_priority_and_grows_back(tmp_path, home, demo_data):  # noqa: F811
+    from phalanx.demo_elastic import run_elastic_demo
+
+    console = Console(record=True, width=160)
+    overrides = [f"data.path={demo_data}", "model.overrides.vocab_size=512", "model.overrides.n_layers=2",
+                 "training.global_batch_size=8", "training.micro_batch_size=2", "training.log_interval=10",
+                 "lr_schedule.warmup_steps=2"]
+    rows = run_elastic_demo("recipes/tiny-llama.yaml", tmp_path, nodes=4, overrides=overrides, console=console)
+
+    changes = [(r["from"], r["to"], r["cause"]) for r in rows]
+    assert changes == [(3, 4, "resized"), (4, 3, "node-fault"), (3, 4, "resized"), (4, 2, "resized"),
+                       (2, 4, "resized")], changes
+    assert all(r["steps_lost"] == 0 and r["state_from"] == "peer-memory" for r in rows), rows
+    assert "preempted by job 2" in rows[3]["why"] and "idle healthy node" in rows[0]["why"]
+    out = console.export_text()
+    assert "every change in place" in out and "cluster scale workers --count 4" in out
+    assert list_clusters() == [], "the demo deletes its cluster"

@@ -19,7 +19,7 @@ from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import run_training, tiny_config
 from phalanx.control.client.cluster import create_cluster
 from phalanx.control.client.jobs import JobClient
-from test_jobs import sleeper, step_at_least, write_config, write_spec
+from test_jobs import cli, flat, sleeper, step_at_least, write_config, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,8 @@ STEPS = 40
 GLOBAL_BATCH = 12  # over 4 replicas 3 each, over 3: 4 each, over 2: 6 each — micro-batches of at most 2
 
 
-def elastic_config(run_dir: Path, data: Path, max_steps: int = STEPS, **elastic):
-    return tiny_config(run_dir, data, parallel={"dp_shard": 1},
+def elastic_config(run_dir: Path, data: Path, max_steps: int = STEPS, dp_shard: int = 1, **elastic):
+    return tiny_config(run_dir, data, parallel={"dp_shard": dp_shard},
                        elastic={"min_replicas": 1, "max_replicas": 4, "stable_period_s": 0, "scale_up_delay_s": 0,
                                 **elastic},
                        resilience={"recovery": "checkpointless", "regroup_timeout_s": 60.0,
@@ -89,6 +89,11 @@ def test_job_scale_resizes_in_place_keeping_batch_order_and_loss(tmp_path, home,
         step_at_least(jobs, "el", at, timeout=120)
     info = jobs.wait("el", timeout_s=180)
     assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
+    code, out = cli("job", "describe", "el")  # the history of sizes
+    assert code == 0 and "elastic: 1-4 replicas (valid [1, 2, 3, 4])" in flat(out), out
+    assert all(f"{r} replicas" in out for r in (2, 3, 4)) and "resized" in out
+    code, out = cli("job", "scale", "el", "--replicas", 2)  # a finished job is not resized
+    assert code == 2 and "already succeeded" in flat(out), out
 
     gens = info["generations"]
     assert [len(g["nodes"]) for g in gens] == [4, 2, 3, 4]
@@ -128,6 +133,13 @@ def test_fault_without_spare_shrinks_then_grows_and_priority_takes_nodes(tmp_pat
     from phalanx.control.client.cluster import ClusterClient
 
     client = ClusterClient("c1")
+    code, out = cli("job", "submit", write_config(tmp_path / "bad.yaml", elastic_config(tmp_path, demo_data)),
+                    "--nodes", 2)
+    assert code == 2 and "--nodes with an elastic config" in flat(out), out
+    code, out = cli("job", "submit", write_config(tmp_path / "bad.yaml", elastic_config(tmp_path, demo_data)),
+                    "--max-replicas", 20, "training.global_batch_size=6")
+    assert code == 2 and "cannot hold training.global_batch_size=6" in flat(out), out
+    assert "sizes that can: [1, 2, 3, 4, 5, 6]" in flat(out), out
     run_dir = tmp_path / "run"
     jobs.submit(write_config(tmp_path / "el.yaml", elastic_config(run_dir, demo_data, max_steps=400)), name="el")
     step_at_least(jobs, "el", 4)
@@ -155,3 +167,31 @@ def test_fault_without_spare_shrinks_then_grows_and_priority_takes_nodes(tmp_pat
     steps, events = records(run_dir)
     assert not [e for e in events if e["event"] == "resumed" and e.get("recovery") == "checkpoint"]
     assert all(e["steps_lost"] == 0 for e in events if e["event"] == "resumed")
+
+
+def test_sharded_replicas_of_two_nodes_resize_in_place(tmp_path, home, demo_data):
+    """A replica sharded over 2 nodes (dp_shard 2, FSDP inside, HSDP across replicas): 2 → 1 → 2 replicas; the
+    joining replica's two ranks each take their own shard from the survivor with the same coordinates."""
+    ref = run_training(elastic_config(tmp_path / "ref", demo_data, max_steps=24, dp_shard=2, min_replicas=2,
+                                      max_replicas=2), 4)
+    ref_loss = {s["step"]: s["loss"] for s in ref}
+    create_cluster(write_spec(tmp_path, count=4, spares=0), timeout_s=90)
+    jobs = JobClient("c1")
+    run_dir = tmp_path / "run"
+    config = elastic_config(run_dir, demo_data, max_steps=24, dp_shard=2, max_replicas=2)
+    job = jobs.submit(write_config(tmp_path / "el.yaml", config), name="el")
+    assert job["elastic"]["nodes_per_replica"] == 2 and job["elastic"]["ranks_per_replica"] == 2
+    step_at_least(jobs, "el", 6)
+    for replicas, at in ((1, 12), (2, 18)):
+        jobs.scale("el", replicas)
+        wait_for(lambda: (i := jobs.describe("el"))["replicas"] == replicas and i["state"] == "running", 60,
+                 f"the job to run {replicas} replica(s)")
+        step_at_least(jobs, "el", at, timeout=120)
+    info = jobs.wait("el", timeout_s=180)
+    assert info["state"] == "succeeded" and [len(g["nodes"]) for g in info["generations"]] == [4, 2, 4]
+    steps, events = records(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, 25))
+    worst = max(abs(s["loss"] - ref_loss[s["step"]]) for s in steps)
+    assert worst <= 1e-5, f"loss differs from the fixed-size run by up to {worst}"
+    restored = [e for e in events if e["event"] == "state_restored"]
+    assert [e["source"] for e in restored] == ["peer-memory"] * 2 and restored[1]["transfers"] == 2, restored

@@ -257,3 +257,28 @@ def test_job_goodput_and_describe_print_the_ledger_and_name_a_missing_file(tmp_p
     assert len(lines) <= 2, result.output  # one line (rich may wrap a long path)
     result = runner.invoke(app, ["job", "describe", "1", "--json"])
     assert "metrics.jsonl: no such file" in json.loads(result.output)["goodput"]["error"]
+
+
+def test_a_resize_is_its_own_category_and_the_step_in_flight_stays_productive():
+    """An elastic resize at t=10.05 while step 11 is in flight: the survivors finish it (logged at 10.1), then
+    regroup; rank 0's `resumed` at 10.6, the first step at the new size ends at 10.8 (normal step 0.1 s)."""
+    from phalanx.observability.events import Event
+
+    def ctl(t, kind, message, **fields):
+        return Event(time=t, kind=kind, source="controller", job="1", message=message, fields=fields)
+
+    def rank0(t, kind, **fields):
+        return Event(time=t, kind=kind, source="rank:0", job="1", fields=fields)
+
+    events = [ctl(0.0, "job", "submitted", to_state="pending"), ctl(0.0, "generation", "generation 1"),
+              ctl(10.05, "resize", "resize 4 → 2 replicas (job scale request (2 replicas))"),
+              ctl(10.05, "job", "resize 4 → 2 replicas", to_state="recovering"),
+              ctl(10.06, "generation", "generation 2"),
+              rank0(10.6, "resized", step=11), rank0(10.6, "resumed", step=11, recovery="checkpointless"),
+              ctl(20.0, "job", "done", to_state="succeeded")]
+    steps = [{"step": n, "time": n * 0.1 + 9.0, "step_time_s": 0.1} for n in range(1, 12)]
+    steps += [{"step": 12 + i, "time": 10.8 + i * 0.1, "step_time_s": 0.1} for i in range(10)]
+    ledger = compute(events, steps, job="1")
+    assert ledger.seconds["resizing"] == pytest.approx(10.7 - 10.1)
+    assert ledger.seconds["failure_detection"] == ledger.seconds["recovery"] == 0
+    assert ledger.seconds["productive"] == pytest.approx(21 * 0.1)

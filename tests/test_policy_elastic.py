@@ -208,3 +208,34 @@ def test_a_higher_priority_job_takes_nodes_from_an_elastic_job_above_its_min_and
     for _, w in c.workers(urgent.id).values():
         c.agents[w_node(c, urgent.id, w.rank)].exit_worker(w, 0)
     c.run_until(lambda: c.job(job.id).replicas == 4, "grown back once the urgent job ended")
+
+
+def test_growth_waits_for_the_joining_nodes_warm_standbys(make):
+    from phalanx import protocol
+    from phalanx.control.policy.elastic import STANDBY_WAIT_S
+
+    c = make(count=3, spares=0, warm_standby=True).create()
+    other = c.submit(nodes=1)
+    c.run_until(lambda: len(c.workers(other.id)) == 1, "the fixed job running")
+    job = submit_elastic(c)
+    c.run_until(lambda: c.job(job.id).state == J.RUNNING and c.job(job.id).replicas == 2, "2 replicas")
+    (agent, w), = c.workers(other.id).values()
+    agent.exit_worker(w, 0)
+    c.run_until(lambda: c.job(other.id).state == J.SUCCEEDED, "the fixed job done")
+    c.steps(5)
+    assert c.job(job.id).replicas == 2, "the freed node's standby is not warm yet"
+    for sid in agent.standbys.values():  # the standby says it is warm and waiting
+        c.rendezvous.set(protocol.standby_warm_key(sid), "1")
+    c.run_until(lambda: c.job(job.id).replicas == 3, "grown once the standby is warm", max_steps=5)
+    assert c.generations(job.id)[-1].standbys, "the warm standby takes the joining rank"
+    # without the warm word, growth still happens after STANDBY_WAIT_S
+    c.jobs.scale(job.id, 2)
+    c.step()
+    for agent_, w_ in c.workers(job.id, 2).values():
+        if agent_.name not in c.job(job.id).nodes:
+            agent_.exit_worker(w_, 0)
+    c.jobs.records.update_job(job.id, elastic={**c.job(job.id).elastic, "target": None})
+    c.steps(10)
+    assert c.job(job.id).replicas == 2
+    c.run_until(lambda: c.job(job.id).replicas == 3, "grown after the wait",
+                max_steps=int(STANDBY_WAIT_S / c.interval) + 10)

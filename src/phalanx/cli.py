@@ -109,9 +109,12 @@ def demo(
     nodes: int = typer.Option(4, "--nodes", min=2, help="worker nodes (one training process each), plus 1 spare"),
     recovery: str = typer.Option("checkpointless", "--recovery", help="checkpointless (survivors keep running, "
                                  "state from peers' memory) or restart (everyone restarts from the checkpoint)"),
+    elastic: bool = typer.Option(False, "--elastic", help="an elastic job instead: it grows when a node is added, "
+                                 "shrinks in place on a node failure and for a higher-priority job, and grows back"),
     overrides: list[str] = typer.Argument(None, help="config overrides, key=value"),
 ) -> None:
-    """Create a local cluster, train RECIPE with auto-resume, kill a node halfway, show the recovery, delete it."""
+    """Create a local cluster, train RECIPE with auto-resume, kill a node halfway, show the recovery, delete it
+    (`--elastic`: resize an elastic job through every kind of change instead)."""
     from phalanx.control.client.cluster import ClusterError
     from phalanx.control.client.jobs import JobError
     from phalanx.data import DataError
@@ -121,7 +124,12 @@ def demo(
     try:
         if recovery not in ("checkpointless", "restart"):
             raise JobError(f"--recovery {recovery!r}: choose checkpointless or restart")
-        run_demo(recipe, run_dir, nodes=nodes, overrides=list(overrides or []), recovery=recovery)
+        if elastic:
+            from phalanx.demo_elastic import run_elastic_demo
+
+            run_elastic_demo(recipe, run_dir, nodes=nodes, overrides=list(overrides or []))
+        else:
+            run_demo(recipe, run_dir, nodes=nodes, overrides=list(overrides or []), recovery=recovery)
     except (ConfigError, DataError, ClusterError, JobError, RuntimeError) as err:
         err_console.print(f"[red]error:[/] {err}")
         raise typer.Exit(1) from None

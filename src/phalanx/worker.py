@@ -191,13 +191,16 @@ def wait_as_standby() -> None:
     key = protocol.standby_key(os.environ[protocol.STANDBY_ID])
     print(f"standby for {key}: warm (torch {torch.__version__}, warm-up {time.perf_counter() - started:.2f} s), "
           "waiting", flush=True)
-    store = None
+    store, warm = None, protocol.standby_warm_key(os.environ[protocol.STANDBY_ID])
     while True:
         try:
-            store = store or protocol.connect_store(os.environ[protocol.STORE_ADDR], token, timedelta(seconds=10))
+            if store is None:
+                store = protocol.connect_store(os.environ[protocol.STORE_ADDR], token, timedelta(seconds=10))
+                store.set(warm, "1")  # (again after a controller restart: its store starts empty)
             if store.check([key]):
                 raw = store.get(key)
                 store.delete_key(key)
+                store.delete_key(warm)
                 try:  # signed by the controller for this standby; anyone reaching the store could write the key
                     assignment = protocol.open_standby_assignment(token, os.environ[protocol.STANDBY_ID], raw)
                     break

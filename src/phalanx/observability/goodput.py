@@ -29,8 +29,9 @@ Priority (highest first) and where each interval comes from:
                       processes, restore from peers, the first step's warm-up); a restore from a checkpoint
                       inside it is checkpoint_restore
   resizing            an elastic job's resize (the controller's `resize` event, not a fault: nothing to detect)
-                      → the start of the first step of the next generation (regroup at the new size, joiners'
-                      restore from peers, the first step's warm-up)
+                      → the start of the first step after rank 0's next `resumed` (the survivors finish the
+                      step they were in first; then the regroup at the new size, the joiners' restore from
+                      peers, the first step's warm-up)
   initialization      submission → the start of the first step of the first generation (placement, process
                       start, build, the first step's warm-up); a generation started without a fault (a run
                       launched again outside a cluster) → its first step likewise
@@ -175,9 +176,12 @@ def compute(events: list[Event], steps: list[dict], end: float | None = None, *,
     known = _faults_known(ctl, gens) if any(e.kind == K.GENERATION for e in ctl) else []  # (a cluster's run)
     resized = [(g, k) for g, k, resize in known if resize]
     known = [(g, k) for g, k, resize in known if not resize]
+    resumes = sorted(e.time for e in rank0 if e.kind == K.RESUMED)
     for g, k in resized:
-        nxt = next((t for t in gens if t > k), None)
-        add(k, first_core_after(nxt) if nxt is not None else end, RESIZING)
+        # the survivors finish the step they are in after the decision: the next generation's first step is
+        # the first after rank 0's `resumed` of the regroup (the old generation's late steps stay productive)
+        r = next((t for t in resumes if t > k), None) or next((t for t in gens if t > k), None)
+        add(k, first_core_after(r) if r is not None else end, RESIZING)
     for g, k in known:
         i = bisect_left(life, k)
         f = life[i - 1] if i > 0 and life[i - 1] > g else k  # no sign of life: the fault's moment is unknown

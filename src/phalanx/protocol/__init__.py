@@ -55,7 +55,9 @@ Warm standby: an idle node's agent pre-starts `python -m phalanx.worker --standb
 imported, waiting) with a unique PHALANX_STANDBY_ID, and reports the ids in its heartbeats. It watches
 `standby/{id}`; when a generation gives that node's slot a rank, the controller writes there the seam env
 of that rank (and its log file) at the moment it starts the generation, so the standby starts without
-waiting for its agent's next heartbeat; the assignment names the id, and the agent adopts the process.
+waiting for its agent's next heartbeat; the assignment names the id, and the agent adopts the process. Once
+warmed up the standby sets `standby-warm/{id}` (deleted when it is activated): an elastic job grows onto a
+node only when its standbys are warm.
 
 Every key above lives under the cluster's namespace, `store_namespace(token)/`: an HMAC of the cluster token
 (never the token itself). Both sides open the store through `namespaced()` (controller) or `connect_store()`
@@ -80,8 +82,8 @@ from phalanx.protocol.env import (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     GENERATION, STORE_ADDR, CHECKPOINT_DIR, CLUSTER_TOKEN, CONFIG, NODE, STANDBY_ID, RECOVERY, CHECKPOINTLESS,
     TRAIN_WORKER_MODULE, NODE_HANDLE, ACTIVATED_AT, EXIT_STUCK, rank_of, WorkerPlacement, worker_env, parse_store_addr)
 from phalanx.protocol.keys import (generation_prefix, progress_key, alive_key, generation_key, layout_key,
-    pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, publish_generation, read_progress,
-    step_time_key, read_step_times)
+    pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, standby_warm_key, publish_generation,
+    read_progress, step_time_key, read_step_times)
 from phalanx.protocol.store import (store_namespace, namespaced, serve_store, connect_store, env_rendezvous_store,
     standby_assignment, open_standby_assignment)
 from phalanx.protocol.progress import (BEAT_S, EXIT_FLUSH_S, ProgressReporter, progress_reporter)

@@ -69,6 +69,12 @@ def standby_key(standby_id: str) -> str:
     return f"standby/{standby_id}"
 
 
+def standby_warm_key(standby_id: str) -> str:
+    """Set by the warm standby `standby_id` once it is warmed up (torch imported, one step run) and waiting;
+    deleted when it is activated. The controller grows an elastic job onto a node once its standbys are warm."""
+    return f"standby-warm/{standby_id}"
+
+
 def publish_generation(store, job_id: str, generation: int, nodes: list[str], workers_per_node: int,
                        cause: str = "fault") -> None:
     """Controller side: the layout first, then the generation number (a watcher that sees the number can

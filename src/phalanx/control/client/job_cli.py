@@ -198,12 +198,18 @@ def describe(job: str = typer.Argument(..., help="job id or name"), cluster: Opt
               f"auto-resume {'on' if info['auto_resume'] else 'off'}; attempts {info['attempts']}; retries "
               f"{info['retries']}/{info['max_retries']}; node faults {info['node_faults']}; submitted "
               f"{_ago(info['created_at'])}")
+    e = info.get("elastic")
+    if e:
+        target = f", scale requested to {e['target']}" if e["target"] else ""
+        out.print(f"elastic: {e['min_replicas']}-{e['max_replicas']} replicas (valid {e['valid']}) of "
+                  f"{e['nodes_per_replica']} node(s), now {info['replicas']}{target}; priority {info['priority']}")
     out.print(f"command: {' '.join(info['argv'])}  (cwd {info['cwd']})")
     out.print(f"checkpoints: {info['checkpoint_dir']}  logs: {info['log_dir']}")
-    t = Table("gen", "nodes", "rendezvous", "started", "steps", "outcome", "why it ended", title="generations")
+    t = Table("gen", "size", "nodes", "rendezvous", "started", "steps", "outcome", "why it ended", title="generations")
     for g in info["generations"]:
         steps = f"{g['start_step']}→{g['last_step']}" if g["start_step"] is not None else "-"
-        t.add_row(str(g["generation"]), ",".join(g["nodes"]), f"{g['master_addr']}:{g['master_port']}",
+        size = f"{len(g['nodes']) // e['nodes_per_replica']} replicas" if e else f"{len(g['nodes'])} nodes"
+        t.add_row(str(g["generation"]), size, ",".join(g["nodes"]), f"{g['master_addr']}:{g['master_port']}",
                   _when(g["started_at"]), steps, g["outcome"] or ("stopping" if g["stop_at"] else "running"),
                   _first_line(g["end_reason"], 80))
     out.print(t)

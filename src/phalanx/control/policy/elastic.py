@@ -13,8 +13,9 @@ checkpoint is written or read.
                target) allow: the size a job starts, restarts or shrinks to after a fault with no spare
   rescale      each tick: a higher-priority job waiting for nodes takes them from lower-priority elastic jobs
                (above their min); a `job scale` target is applied at once; free nodes are grown onto after
-               `scale_up_delay_s` of being free and `stable_period_s` after the last change, and only when no
-               other job of the group is waiting for nodes
+               `scale_up_delay_s` of being free and `stable_period_s` after the last change, only when no
+               other job of the group is waiting for nodes, and once their warm standbys are up (at most
+               STANDBY_WAIT_S more)
   scale        the `job scale ID --replicas N` request: checked (elastic, allowed, holds the batch) and recorded
 
 Must not know: processes, how workers regroup (`resilience/`), HTTP.
@@ -26,6 +27,7 @@ import logging
 
 from pydantic import ValidationError
 
+from phalanx import protocol
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.state.jobs import FINAL, Job, JobState, Outcome
 from phalanx.observability.events import EventKind as E
@@ -34,6 +36,7 @@ from phalanx.protocol.elastic import ElasticSettings, split_batch
 log = logging.getLogger("phalanx.scheduler")
 J = JobState
 LEAVE_GRACE_S = 60.0  # a leaving replica's workers are held this long to finish their step and exit by themselves
+STANDBY_WAIT_S = 60.0  # growth waits at most this long past the delay for the joining nodes' warm standbys
 
 
 def admit(config: dict, group_count: int, workers_per_node: int) -> dict:
@@ -152,9 +155,30 @@ class Elasticity:
             return self.resize(job, gen, grown, f"job scale request ({target} replicas)", now)
         seen = self._grow_seen.setdefault(job.id, now)
         since_change = now - (e["changed_at"] or gen.started_at)
-        if now - seen >= e["scale_up_delay_s"] and since_change >= e["stable_period_s"]:
-            self.resize(job, gen, grown, f"{(s - r) * npr} idle healthy node(s) free for "
-                                         f"{now - seen:.0f} s", now)
+        if now - seen < e["scale_up_delay_s"] or since_change < e["stable_period_s"]:
+            return
+        joining = grown[len(job.nodes):]
+        if not self._standbys_ready(joining) and now - seen < e["scale_up_delay_s"] + STANDBY_WAIT_S:
+            return  # their warm standbys are still starting: joining now would stall the survivors longer
+        self.resize(job, gen, grown, f"{(s - r) * npr} idle healthy node(s) free for {now - seen:.0f} s", now)
+
+    def _standbys_ready(self, names: list[str]) -> bool:
+        """Every node of a warm-standby group has its standbys warmed up and waiting (`protocol.standby_warm_key`;
+        a group without standbys: always)."""
+        for name in names:
+            node = self.store.node(name)
+            group = self.spec.group(node.group) if node is not None else None
+            if group is None or not group.warm_standby or self.rendezvous is None:
+                continue
+            ids = list(((node.report or {}).get("standbys") or {}).values())
+            try:
+                warm = len(ids) >= group.profile.worker_slots and all(
+                    self.rendezvous.check([protocol.standby_warm_key(sid)]) for sid in ids)
+            except RuntimeError:  # the controller's own store: only while it restarts
+                warm = False
+            if not warm:
+                return False
+        return True
 
     # ---- the change ---------------------------------------------------------------------------------------------
     def resize(self, job: Job, gen, nodes: list[str], why: str, now: float) -> None:
