@@ -141,7 +141,9 @@ def test_fault_without_spare_shrinks_then_grows_and_priority_takes_nodes(tmp_pat
     assert code == 2 and "cannot hold training.global_batch_size=6" in flat(out), out
     assert "sizes that can: [1, 2, 3, 4, 5, 6]" in flat(out), out
     run_dir = tmp_path / "run"
-    jobs.submit(write_config(tmp_path / "el.yaml", elastic_config(run_dir, demo_data, max_steps=400)), name="el")
+    job = jobs.submit(write_config(tmp_path / "el.yaml", elastic_config(run_dir, demo_data, max_steps=400,
+                                                                        max_replicas=5)), name="el")
+    assert any("max_replicas=5 needs 5 nodes; group workers has 4" in w for w in job["warnings"]), job["warnings"]
     step_at_least(jobs, "el", 4)
     victim = jobs.describe("el")["nodes"][3]
     client.inject_fault(victim, "kill-node")
@@ -195,3 +197,32 @@ def test_sharded_replicas_of_two_nodes_resize_in_place(tmp_path, home, demo_data
     assert worst <= 1e-5, f"loss differs from the fixed-size run by up to {worst}"
     restored = [e for e in events if e["event"] == "state_restored"]
     assert [e["source"] for e in restored] == ["peer-memory"] * 2 and restored[1]["transfers"] == 2, restored
+
+
+def test_scale_batch_resize_follows_the_replica_count_with_the_learning_rate(tmp_path, home, demo_data):
+    """elastic.scale_batch: 4 → 2 replicas halves the global batch (12 → 6 samples a step, still the next samples
+    in order) and, with lr_scaling linear, the peak learning rate; the schedule goes on from the same step."""
+    from phalanx.train.optim import lr_factor
+
+    create_cluster(write_spec(tmp_path, count=4, spares=0), timeout_s=90)
+    jobs = JobClient("c1")
+    run_dir = tmp_path / "run"
+    config = elastic_config(run_dir, demo_data, max_steps=24, scale_batch=True, lr_scaling="linear")
+    jobs.submit(write_config(tmp_path / "el.yaml", config), name="el")
+    step_at_least(jobs, "el", 8)
+    jobs.scale("el", 2)
+    info = jobs.wait("el", timeout_s=180)
+    assert info["state"] == "succeeded" and [len(g["nodes"]) for g in info["generations"]] == [4, 2]
+    steps, events = records(run_dir)
+    (resized,) = [e for e in events if e["event"] == "resized"]
+    assert resized["global_batch_size"] == 6 and resized["peak_lr"] == pytest.approx(config.optimizer.lr / 2)
+    switch = resized["step"]  # the last step at 4 replicas
+    assert [s["step"] for s in steps] == list(range(1, 25))
+    consumed = [0] + [s["samples_consumed"] for s in steps]
+    assert [b - a for a, b in zip(consumed, consumed[1:])] == [12] * switch + [6] * (24 - switch)
+    schedule = config.lr_schedule
+    for s in steps:
+        planned = config.optimizer.lr * lr_factor(s["step"] - 1, warmup_steps=schedule.warmup_steps,
+                                                  decay_steps=config.decay_steps, min_lr_ratio=schedule.min_lr_ratio)
+        assert s["lr"] == pytest.approx(planned * (1.0 if s["step"] <= switch else 0.5), rel=1e-9), s
+    assert "global batch 12 → 6 (scale_batch)" in " ".join(e["reason"] for e in info["events"])

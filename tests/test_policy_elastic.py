@@ -239,3 +239,37 @@ def test_growth_waits_for_the_joining_nodes_warm_standbys(make):
     assert c.job(job.id).replicas == 2
     c.run_until(lambda: c.job(job.id).replicas == 3, "grown after the wait",
                 max_steps=int(STANDBY_WAIT_S / c.interval) + 10)
+
+
+def test_scale_batch_lets_the_batch_and_the_learning_rate_follow_the_replica_count(tmp_path):
+    from phalanx.train.config import ConfigError, config_from_dict
+
+    e = ElasticSettings(min_replicas=1, max_replicas=4, scale_batch=True)
+    assert [e.batch_at(16, r) for r in (1, 2, 4)] == [4, 8, 16] and [e.lr_factor(r) for r in (1, 2, 4)] == [0.25, 0.5, 1]
+    assert ElasticSettings(max_replicas=4, scale_batch=True, lr_scaling="sqrt").lr_factor(1) == 0.5
+    assert ElasticSettings(max_replicas=4).batch_at(16, 1) == 16 and ElasticSettings(max_replicas=4).lr_factor(1) == 1
+    with pytest.raises(ValueError, match="lr_scaling applies only with elastic.scale_batch"):
+        ElasticSettings(max_replicas=4, lr_scaling="sqrt")
+    tree = {"parallel": {"dp_shard": 1}, "optimizer": {"lr": 1e-3},
+            "training": {"global_batch_size": 16, "micro_batch_size": 2},
+            "elastic": {"min_replicas": 1, "max_replicas": 4, "scale_batch": True}}
+    config = config_from_dict(tree)
+    at2 = config.for_world(2)
+    assert at2.parallel.dp_replicate == 2 and at2.training.global_batch_size == 8 and at2.optimizer.lr == 5e-4
+    assert config.for_world(4).training.global_batch_size == 16 and config.for_world(4).optimizer.lr == 1e-3
+    kept = config_from_dict({**tree, "elastic": {"min_replicas": 1, "max_replicas": 4}})
+    assert kept.for_world(2).training.global_batch_size == 16 and kept.for_world(2).optimizer.lr == 1e-3
+    with pytest.raises(ConfigError, match="global_batch_size=18 is the batch at max_replicas=4; make it a multiple"):
+        config_from_dict({**tree, "training": {"global_batch_size": 18, "micro_batch_size": 2}})
+
+
+def test_a_scale_batch_resize_says_how_the_batch_and_the_learning_rate_change(make):
+    c = make(count=4, spares=0).create()
+    cfg = config(scale_batch=True, lr_scaling="sqrt")
+    job = c.jobs.submit(kind="train", nodes=1, config=cfg, checkpoint_dir="x", cwd=str(c.paths.root))
+    c.run_until(lambda: len(c.workers(job.id, 1)) == 4, "4 replicas running")
+    c.jobs.scale(job.id, 1)
+    c.step()
+    assert resize_reasons(c, job.id) == ["resize 4 → 1 replicas (job scale request (1 replicas)); global batch 12 → 3 "
+                                         "(scale_batch), micro-batches per rank 2 → 2, peak learning rate × 0.5 "
+                                         "(sqrt)"]

@@ -310,7 +310,7 @@ def _run_at(generation: int, trainer=None, carried=None):
     run = CheckpointlessRun.__new__(CheckpointlessRun)
     left = []
     run.generation, run.fault, run.trainer, run.carried, run.snapshots = generation, None, trainer, carried, None
-    run.last_record = None
+    run.last_record, run.world_size = None, 4
     run.membership = SimpleNamespace(unwatch=lambda: None, report_left=left.append)
     run.shelf = SimpleNamespace(freeze=lambda: None)
     return run, left

@@ -5,7 +5,8 @@ A *replica* is one data-parallel copy of the model: the ranks that hold one full
 `min_replicas` and `max_replicas`; the controller picks the count (`control/policy/elastic.py`), the workers
 derive `dp_replicate` from the world size of each generation (`replicas_of`).
 
-The global batch stays fixed whatever the count: `split_batch` says how many micro-batches every rank runs
+The global batch stays fixed whatever the count (unless `scale_batch`: then it is `training.global_batch_size` at
+`max_replicas` and follows the count, the learning rate scaled with it, `batch_at` and `lr_factor`): `split_batch` says how many micro-batches every rank runs
 (the same count on every rank, or FSDP's per-micro-batch collectives would not pair up) and how many samples
 each rank takes. Where the batch does not divide evenly, the first `global % dp` ranks take one sample more and
 every micro-batch's loss is weighted by its share of the global batch, so the summed gradient is the
@@ -16,6 +17,9 @@ Knows nothing about torch, processes or the controller: settings and integers.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -34,6 +38,11 @@ class ElasticSettings(BaseModel):
                                                            "changes (a fault or a `job scale` acts at once)")
     scale_up_delay_s: float = Field(10.0, ge=0, description="idle nodes must stay free this long before the "
                                                             "job grows onto them")
+    scale_batch: bool = Field(False, description="the global batch follows the replica count (training."
+                                                 "global_batch_size is the batch at max_replicas) instead of being kept")
+    lr_scaling: Literal["linear", "sqrt"] | None = Field(None, description="with scale_batch: the peak learning "
+                                                         "rate × (replicas ÷ max_replicas), or its square root; "
+                                                         "default linear")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -47,7 +56,21 @@ class ElasticSettings(BaseModel):
             if outside:
                 raise ValueError(f"elastic.allowed_replicas {outside} outside [min_replicas={self.min_replicas}, "
                                  f"max_replicas={self.max_replicas}]")
+        if self.lr_scaling is not None and not self.scale_batch:
+            raise ValueError("elastic.lr_scaling applies only with elastic.scale_batch: true (a kept global batch "
+                             "keeps the learning rate)")
         return self
+
+    def batch_at(self, global_batch: int, replicas: int) -> int:
+        """The global batch at `replicas`: kept, or (scale_batch) the batch at max_replicas scaled to the count."""
+        return global_batch // self.max_replicas * replicas if self.scale_batch else global_batch
+
+    def lr_factor(self, replicas: int) -> float:
+        """The peak learning rate's multiplier at `replicas`: 1 with a kept batch."""
+        if not self.scale_batch:
+            return 1.0
+        ratio = replicas / self.max_replicas
+        return math.sqrt(ratio) if self.lr_scaling == "sqrt" else ratio
 
     def sizes(self) -> list[int]:
         """Every allowed replica count, ascending."""
@@ -57,7 +80,8 @@ class ElasticSettings(BaseModel):
 
     def valid_sizes(self, global_batch: int, micro_batch: int, ranks_per_replica: int) -> list[int]:
         """The allowed counts whose data-parallel size can hold the global batch."""
-        return [r for r in self.sizes() if split_batch(global_batch, micro_batch, r * ranks_per_replica) is not None]
+        return [r for r in self.sizes()
+                if split_batch(self.batch_at(global_batch, r), micro_batch, r * ranks_per_replica) is not None]
 
 
 def split_batch(global_batch: int, micro_batch: int, dp_size: int) -> tuple[int, list[int]] | None:

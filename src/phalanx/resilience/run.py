@@ -283,6 +283,7 @@ class CheckpointlessRun:
             # the newest valid checkpoint, or a fresh start; after a fault, `resumed` comes after `state_restored`
             trainer.start(announce=told is None)
         trainer.ready = True
+        trainer.follow_scaled_lr()  # elastic scale_batch: a peer's state carries its size's learning rate
         moved = torch.tensor([float(received)])
         dist.all_reduce(moved)
         self.marks["restored"] = time.time()
@@ -315,7 +316,9 @@ class CheckpointlessRun:
         fresh = [i["rank"] for i in infos if i["fault"] is None]
         if cause == "resize":  # an elastic job's size changed: the controller ended the generation, nothing failed
             self._event(told, "resized", at=first["at"], generation=first["generation"], step=first["step"],
-                        from_world_size=first.get("world_size"), world_size=len(infos), what=first["what"])
+                        from_world_size=first.get("world_size"), world_size=len(infos), what=first["what"],
+                        global_batch_size=trainer.config.training.global_batch_size,
+                        peak_lr=trainer.config.optimizer.lr)
         else:
             self._event(told, "fault_detected", at=first["at"], generation=first["generation"],
                         step=first["step"], what=first["what"], detected_by=len(faults),

@@ -182,6 +182,9 @@ class TrainConfig(_Strict):
             raise ValueError(f"elastic: parallel.dp_replicate={self.parallel.dp_replicate} is chosen at run time "
                              f"for an elastic job; leave it at 1 and set elastic.min_replicas/max_replicas")
         gb, mb = self.training.global_batch_size, self.training.micro_batch_size
+        if self.elastic.scale_batch and gb % self.elastic.max_replicas:
+            raise ValueError(f"elastic.scale_batch: training.global_batch_size={gb} is the batch at max_replicas="
+                             f"{self.elastic.max_replicas}; make it a multiple of {self.elastic.max_replicas}")
         if not self.elastic.valid_sizes(gb, mb, self.ranks_per_replica):
             raise ValueError(f"elastic: no allowed replica count {self.elastic.sizes()} can split "
                              f"training.global_batch_size={gb} into micro-batches of {mb} over "
@@ -195,12 +198,19 @@ class TrainConfig(_Strict):
         return max(self.parallel.dp_shard, 1) * self.parallel.tensor_parallel_degree
 
     def for_world(self, world_size: int) -> "TrainConfig":
-        """An elastic job's config for a generation of `world_size` ranks: dp_replicate = its replica count.
-        Any other config is returned as is."""
+        """An elastic job's config for a generation of `world_size` ranks: dp_replicate = its replica count (and,
+        with `elastic.scale_batch`, that count's global batch and peak learning rate). Any other config is
+        returned as is."""
         if self.elastic is None:
             return self
         replicas = replicas_of(world_size, self.ranks_per_replica)
-        return self.model_copy(update={"parallel": self.parallel.model_copy(update={"dp_replicate": replicas})})
+        update = {"parallel": self.parallel.model_copy(update={"dp_replicate": replicas})}
+        if self.elastic.scale_batch:  # the batch follows the count, the peak learning rate with it
+            gb = self.elastic.batch_at(self.training.global_batch_size, replicas)
+            update["training"] = self.training.model_copy(update={"global_batch_size": gb})
+            update["optimizer"] = self.optimizer.model_copy(
+                update={"lr": self.optimizer.lr * self.elastic.lr_factor(replicas)})
+        return self.model_copy(update=update)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -298,9 +298,24 @@ class Trainer:
         return torch.cat([torch.stack([b.tokens_per_expert for b in self.moe_blocks]).sum(0),
                           torch.stack([b.dropped_pairs for b in self.moe_blocks]).sum().reshape(1)]).double()
 
+    def follow_scaled_lr(self) -> None:
+        """An elastic job with `scale_batch`: the schedule's peak is this size's learning rate (`config.optimizer.lr`,
+        scaled by `TrainConfig.for_world`). A state restored from another size carries that size's peak in the
+        scheduler's base and the optimizer's current lr: both are set to this size's, at the same point of the
+        schedule. Nothing changes for any other job."""
+        if self.config.elastic is None or not self.config.elastic.scale_batch:
+            return
+        base = self.config.optimizer.lr
+        lrs = [base * fn(self.scheduler.last_epoch) for fn in self.scheduler.lr_lambdas]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"], group["initial_lr"] = lr, base
+        self.scheduler.base_lrs = [base] * len(lrs)
+        self.scheduler._last_lr = lrs  # what get_last_lr() reports for the next step
+
     def start(self, announce: bool = True) -> None:
         """Resume from the newest valid checkpoint, or record a fresh start."""
         if self.maybe_resume(announce):
+            self.follow_scaled_lr()
             self._saved_step = self.progress.step
         else:
             self.metrics.event(

@@ -105,7 +105,7 @@ class JobClient:
                                f"(`phalanx cluster start {self.cluster.name}`)")
         g = self._group(info, group)
         slots = INSTANCE_TYPES[g["instance_type"]].worker_slots
-        cfg = None
+        cfg, warnings = None, []
         if config is not None:
             from phalanx.train.config import TrainConfig, load_config
 
@@ -119,6 +119,11 @@ class JobClient:
                                    f"tensor_parallel_degree) but a node of group {g['name']} runs {slots} workers; set "
                                    f"dp_shard × tp to a multiple of {slots}")
                 nodes = cfg.elastic.min_replicas * cfg.ranks_per_replica // slots
+                most = max(cfg.elastic.sizes()) * cfg.ranks_per_replica // slots
+                if most > g["count"]:
+                    warnings.append(f"elastic.max_replicas={cfg.elastic.max_replicas} needs {most} nodes; group "
+                                    f"{g['name']} has {g['count']}: the job grows that far only once the group does "
+                                    f"(`phalanx cluster scale {g['name']} --count {most}`)")
         if nodes is None:
             raise JobError("--nodes is required (but for an elastic config, which sizes itself)")
         if nodes < 1 or nodes > g["count"]:
@@ -129,7 +134,6 @@ class JobClient:
                 "auto_resume": auto_resume, "max_retries": max_retries}
         body.update({k: v for k, v in (("straggler_factor", straggler_factor), ("straggler_steps", straggler_steps),
                                        ("straggler_policy", straggler_policy)) if v is not None})
-        warnings = []
         if config is not None:
             from phalanx.train.config import dump_config
             from phalanx.train.launch import preflight

@@ -188,9 +188,16 @@ class Elasticity:
         r0, r1 = len(gen.nodes) // npr, len(nodes) // npr
         cfg = (job.config or {}).get("training", {})
         gb, mb = cfg.get("global_batch_size", 32), cfg.get("micro_batch_size", 4)
-        a0, a1 = (split_batch(gb, mb, r * rpr)[0] for r in (r0, r1))
-        what = (f"resize {r0} → {r1} replicas ({why}); global batch {gb} kept: micro-batches per rank {a0} → {a1}, "
-                f"learning rate unchanged")
+        settings = ElasticSettings.model_validate({k: e[k] for k in ElasticSettings.model_fields if k in e})
+        b0, b1 = settings.batch_at(gb, r0), settings.batch_at(gb, r1)
+        a0, a1 = split_batch(b0, mb, r0 * rpr)[0], split_batch(b1, mb, r1 * rpr)[0]
+        if settings.scale_batch:
+            f0, f1 = settings.lr_factor(r0), settings.lr_factor(r1)
+            what = (f"resize {r0} → {r1} replicas ({why}); global batch {b0} → {b1} (scale_batch), micro-batches "
+                    f"per rank {a0} → {a1}, peak learning rate × {f1 / f0:.4g} ({settings.lr_scaling or 'linear'})")
+        else:
+            what = (f"resize {r0} → {r1} replicas ({why}); global batch {gb} kept: micro-batches per rank {a0} → "
+                    f"{a1}, learning rate unchanged")
         self.records.update_generation(job.id, gen.generation, stop_at=now, ended_at=now, outcome=Outcome.RESIZED,
                                        end_reason=what)
         self.records.update_job(job.id, elastic={**e, "changed_at": now})
