@@ -170,6 +170,17 @@ def resolve_config(argv: list[str], environ) -> TrainConfig:
 
 
 # ---- a warm spare's worker ---------------------------------------------------------------------------------
+STANDBY_WAIT = timedelta(seconds=30)  # one blocking wait for an assignment; then the store is checked and again
+
+
+def store_alive(store, key: str) -> bool:
+    """The controller's store still answers (and still holds `key`: a restarted controller's store is empty)."""
+    try:
+        return bool(store.check([key]))
+    except (RuntimeError, OSError):
+        return False
+
+
 def wait_as_standby() -> None:
     """`--standby`: a warm spare's worker. Import what training needs now, then wait for the rank this
     process must become (the controller writes its env to `protocol.standby_key`); adopt that env and its log
@@ -197,19 +208,22 @@ def wait_as_standby() -> None:
             if store is None:
                 store = protocol.connect_store(os.environ[protocol.STORE_ADDR], token, timedelta(seconds=10))
                 store.set(warm, "1")  # (again after a controller restart: its store starts empty)
-            if store.check([key]):
-                raw = store.get(key)
-                store.delete_key(key)
-                store.delete_key(warm)
-                try:  # signed by the controller for this standby; anyone reaching the store could write the key
-                    assignment = protocol.open_standby_assignment(token, os.environ[protocol.STANDBY_ID], raw)
-                    break
-                except ValueError as err:
-                    log.warning("ignored an assignment on %s (%s); still waiting", key, err)
-        except (RuntimeError, OSError):  # the controller restarts; its store comes back on the same port
-            store = None
+            # Blocks until the controller writes the key (the store wakes its waiters): no polling, so idle
+            # standbys cost the controller's store nothing however many spares there are.
+            store.wait([key], STANDBY_WAIT)
+            raw = store.get(key)
+            store.delete_key(key)
+            store.delete_key(warm)
+            try:  # signed by the controller for this standby; anyone reaching the store could write the key
+                assignment = protocol.open_standby_assignment(token, os.environ[protocol.STANDBY_ID], raw)
+                break
+            except ValueError as err:
+                log.warning("ignored an assignment on %s (%s); still waiting", key, err)
+        except (RuntimeError, OSError) as err:
+            if "timeout" in str(err).lower() and store is not None and store_alive(store, warm):
+                continue  # nothing assigned within STANDBY_WAIT: wait again
+            store = None  # the controller restarts; its store comes back on the same port
             time.sleep(0.5)
-        time.sleep(0.01)
     os.environ.update(assignment["env"])
     os.environ[protocol.ACTIVATED_AT] = repr(time.time())
     log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
