@@ -314,14 +314,18 @@ class CheckpointlessRun:
         first = min(faults, key=lambda f: f["at"])
         t0 = first["at"]
         fresh = [i["rank"] for i in infos if i["fault"] is None]
+        # the newest step any rank held (survivors may differ by one: a rank whose snapshot thread saw the dead
+        # peer first can leave before its optimizer update while the others complete the step); `resumed`'s
+        # steps_lost counts from it, so `step - steps_lost` is where training resumed
+        held = max((f["step"] for f in faults if f["step"] is not None), default=None)
         if cause == "resize":  # an elastic job's size changed: the controller ended the generation, nothing failed
-            self._event(told, "resized", at=first["at"], generation=first["generation"], step=first["step"],
+            self._event(told, "resized", at=first["at"], generation=first["generation"], step=held,
                         from_world_size=first.get("world_size"), world_size=len(infos), what=first["what"],
                         global_batch_size=trainer.config.training.global_batch_size,
                         peak_lr=trainer.config.optimizer.lr)
         else:
             self._event(told, "fault_detected", at=first["at"], generation=first["generation"],
-                        step=first["step"], what=first["what"], detected_by=len(faults),
+                        step=held, what=first["what"], detected_by=len(faults),
                         failed_generations=1 + max(f.get("again", 0) for f in faults))
         phases = {i["rank"]: {k: round(v - t0, 4) for k, v in i["marks"].items()} for i in infos}
         self._event(told, "generation", generation=self.generation, world_size=len(infos),
