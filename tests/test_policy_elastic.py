@@ -9,26 +9,13 @@ from __future__ import annotations
 import pytest
 
 from fakes import FakeCluster
+from test_policy import make  # noqa: F401  (fixture: fake clusters, closed after the test)
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.policy.elastic import LEAVE_GRACE_S
 from phalanx.control.state.jobs import JobState
 from phalanx.protocol.elastic import ElasticSettings, split_batch
 
 J = JobState
-
-
-@pytest.fixture
-def make(tmp_path):
-    made = []
-
-    def make(**kw) -> FakeCluster:
-        c = FakeCluster(tmp_path / f"cluster{len(made)}", **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
 
 
 def config(**elastic) -> dict:

@@ -95,9 +95,10 @@ class Elasticity:
     def rescale(self, now: float) -> None:
         pending = sorted(self.records.jobs((J.PENDING,)), key=lambda j: (-j.priority, j.seq))
         waiting_groups: set[str] = set()
-        held = {j.id: set(j.nodes) for j in self.records.jobs((J.RUNNING, J.RECOVERING))}
-        # nodes a resize left whose workers are still finishing their step: free in a moment, already given up
-        leaving = {w.node for w in self.records.workers() if w.live and w.node not in held.get(w.job, ())}
+        leaving: set[str] = set()
+        if pending:  # nodes a resize left whose workers still finish their step: free in a moment, given up
+            held = {j.id: set(j.nodes) for j in self.records.jobs((J.RUNNING, J.RECOVERING))}
+            leaving = {w.node for w in self.records.workers() if w.live and w.node not in held.get(w.job, ())}
         for p in pending:  # (one that fits starts in this tick, after this: its nodes are not grown onto either)
             waiting_groups.add(p.group_name)
             _, free = self._usable(p)

@@ -293,11 +293,10 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         taken |= {n for g in self.records.generations(open_only=True) if g.job != job.id for n in g.nodes}
         # (a node this job's own resize left is busy too until its workers have exited)
         live_workers = {w.node for w in self.records.workers() if w.live and (w.job != job.id or w.node not in job.nodes)}
-        ok = {n.name for n in self.store.nodes(include_terminated=False)
+        ok = [n.name for n in self.store.nodes(include_terminated=False)
               if n.state == S.HEALTHY and not n.is_spare and n.group == job.group_name and n.name not in taken
-              and n.name not in live_workers}
-        return ([n for n in job.nodes if n in ok],
-                [n.name for n in self.store.nodes(include_terminated=False) if n.name in ok and n.name not in job.nodes])
+              and n.name not in live_workers]
+        return [n for n in job.nodes if n in ok], [n for n in ok if n not in job.nodes]
 
     def _choose_nodes(self, job: Job) -> tuple[list[str] | None, str]:
         keep, free = self._usable(job)
