@@ -42,8 +42,12 @@ Figures per run (see `phalanx.train.timeline`; times from the kill, taken just b
                  `cold` (no warm standby) from the new generation's start, before its agent spawns the process
                  (spawn, torch import, model build and restore all count)
 
-Snapshot overhead (`--overhead-runs`, default 3): the same job without a failure on the same cluster, with
-`resilience.snapshot_interval` 1 vs 0, interleaved; median tokens/s after warm-up, ratio on ÷ off.
+Snapshot overhead (`--overhead-runs`, default 3): the same job (FSDP over 4 ranks) without a failure on the
+same cluster, with `resilience.snapshot_interval` 0 and each of `--snapshot-intervals` (default 1,10), the order
+rotating each round. Per run, after 10 warm-up steps: tokens/s over wall time (the step records' timestamps, so
+the capture between steps counts) and rank 0's median CPU seconds per step (all its threads: the exchange running
+beside the step counts). Ratios are on ÷ off of the medians (CPU: off ÷ on). The `buddy10` harness measures the
+steps a fault costs at a snapshot every 10 steps, beside `buddy` (every step).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py --runs 5
 """
@@ -205,8 +209,11 @@ class PhalanxHarness:
                        restore_s=restored["seconds"], standby=bool(info["generations"][1]["standbys"]))
         return out
 
-    def steady_tokens_per_s(self, tree: dict, warmup: int = 10) -> float:
-        """A failure-free run of `tree` on the cluster: median tokens/s after `warmup` steps."""
+    def steady_run(self, tree: dict, warmup: int = 10) -> dict:
+        """A failure-free run of `tree` on the cluster, after `warmup` steps: tokens/s over wall time (from the
+        step records' timestamps, so work between steps, such as a snapshot's capture, counts) and rank 0's
+        median CPU seconds per step (`compute_time_s`: its process's CPU time over the step, all threads, so a
+        snapshot exchange running beside the step counts)."""
         from phalanx.train.config import config_from_dict
 
         run_dir = Path(tree["run_dir"])
@@ -214,8 +221,11 @@ class PhalanxHarness:
         info = self.jobs.wait(job["id"], timeout_s=600)
         if info["state"] != "succeeded":
             raise RuntimeError(f"job {job['id']}: {info['state']}: {info['reason']}")
-        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return median([s["tokens_per_s"] for s in steps if "event" not in s][warmup:])
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "event" not in r][warmup:]
+        tokens_per_step = tree["training"]["global_batch_size"] * 64  # the benchmark's block size
+        return {"tokens_per_s": tokens_per_step * (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"]),
+                "cpu_s_per_step": median([r["compute_time_s"] for r in steps])}
 
     def close(self) -> None:
         from phalanx.control.client.cluster import delete_cluster
@@ -252,6 +262,13 @@ class BuddyHarness(CheckpointlessHarness):
     """Checkpointless without a replica: FSDP over 4 ranks, buddy snapshots every step."""
     name = "buddy"
     parallel = FSDP
+    tree = {"resilience": {"snapshot_interval": 1}}
+
+
+class Buddy10Harness(BuddyHarness):
+    """The same with a snapshot every 10 steps (the kill at step 75 rolls back to step 70's)."""
+    name = "buddy10"
+    tree = {"resilience": {"snapshot_interval": 10}}
 
 
 # ---- torchrun: --max-restarts, the same worker and config ---------------------------------------------
@@ -314,11 +331,13 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=50, help="checkpoint interval (steps)")
     parser.add_argument("--fail-step", type=int, default=75, help="kill one rank when rank 0 logs this step")
     parser.add_argument("--harness", default="checkpointless,buddy,cold,phalanx,torchrun",
-                        help="comma-separated: checkpointless (HSDP 2x2), buddy (checkpointless, FSDP 4), cold "
-                             "(checkpointless, HSDP 2x2, no warm standby), cold-exec (cold without worker "
-                             "templates), phalanx (restart from checkpoint), phalanx-exec (phalanx without worker "
-                             "templates), torchrun")
-    parser.add_argument("--overhead-runs", type=int, default=3, help="snapshot on/off pairs (0: skip)")
+                        help="comma-separated: checkpointless (HSDP 2x2), buddy (checkpointless, FSDP 4), buddy10 "
+                             "(buddy, a snapshot every 10 steps), cold (checkpointless, HSDP 2x2, no warm standby), "
+                             "cold-exec (cold without worker templates), phalanx (restart from checkpoint), "
+                             "phalanx-exec (phalanx without worker templates), torchrun")
+    parser.add_argument("--overhead-runs", type=int, default=3,
+                        help="rounds of failure-free runs, snapshots off and at each interval (0: skip)")
+    parser.add_argument("--snapshot-intervals", default="1,10", help="snapshot intervals the rounds measure")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "recovery.json")
     args = parser.parse_args()
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -328,8 +347,9 @@ def main() -> None:
     names = args.harness.split(",")
     harnesses, cluster = [], None
     for name in names:
-        if name in ("phalanx", "checkpointless", "buddy"):
-            kind = {"phalanx": PhalanxHarness, "checkpointless": CheckpointlessHarness, "buddy": BuddyHarness}[name]
+        if name in ("phalanx", "checkpointless", "buddy", "buddy10"):
+            kind = {"phalanx": PhalanxHarness, "checkpointless": CheckpointlessHarness, "buddy": BuddyHarness,
+                    "buddy10": Buddy10Harness}[name]
             h = kind(root, cluster)
             cluster = cluster or h
         elif name in ("cold", "cold-exec", "phalanx-exec"):
@@ -339,11 +359,13 @@ def main() -> None:
             h = TorchrunHarness(root)
         harnesses.append(h)
     samples: dict[str, list[dict]] = {h.name: [] for h in harnesses}
-    overhead: dict[str, list[float]] = {"snapshots_on": [], "snapshots_off": []}
+    intervals = [0] + [int(k) for k in args.snapshot_intervals.split(",")]
+    overhead: dict[str, list[dict]] = {f"interval_{k}": [] for k in intervals}
     try:
         for i in range(args.runs):
             for h in harnesses:
-                tree = job_tree(root / f"{h.name}-{i}", data, args.steps, args.interval, h.parallel)
+                tree = {**job_tree(root / f"{h.name}-{i}", data, args.steps, args.interval, h.parallel),
+                        **getattr(h, "tree", {})}
                 sample = h.run(tree, args.fail_step)
                 samples[h.name].append(sample)
                 print(f"run {i + 1}/{args.runs} {h.name:>14}: " + "  ".join(
@@ -351,13 +373,14 @@ def main() -> None:
                     for k in (*FIGURES, "normal_step_s") if k in sample), flush=True)
         ckl = next((h for h in harnesses if getattr(h, "recovery", None) == "checkpointless"), None) if cluster else None
         for i in range(args.overhead_runs if ckl is not None else 0):
-            for interval in ((1, 0) if i % 2 == 0 else (0, 1)):
+            for interval in intervals[i % len(intervals):] + intervals[:i % len(intervals)]:  # order rotates
                 tree = job_tree(root / f"overhead-{i}-{interval}", data, args.steps, args.interval, FSDP)
                 tree["resilience"] = {"snapshot_interval": interval}
-                tps = ckl.steady_tokens_per_s(tree)
-                overhead["snapshots_on" if interval else "snapshots_off"].append(tps)
-                print(f"overhead {i + 1}/{args.overhead_runs}: snapshot_interval={interval}: {tps:,.0f} tokens/s",
-                      flush=True)
+                run = ckl.steady_run(tree)
+                overhead[f"interval_{interval}"].append(run)
+                print(f"overhead {i + 1}/{args.overhead_runs}: snapshot_interval={interval}: "
+                      f"{run['tokens_per_s']:,.0f} tokens/s, {run['cpu_s_per_step'] * 1e3:.1f} ms CPU per step "
+                      "(rank 0)", flush=True)
     finally:
         for h in reversed(harnesses):
             h.close()
@@ -396,6 +419,9 @@ def main() -> None:
         m = medians["buddy"]
         summary.update(buddy_downtime_s=m["downtime_s"], buddy_survivor_stall_s=m["stall_s"],
                        buddy_rejoin_s=m["rejoin_s"], buddy_steps_lost=m["steps_lost"])
+    if "buddy10" in medians:
+        m = medians["buddy10"]
+        summary.update(buddy_every_10_downtime_s=m["downtime_s"], buddy_every_10_steps_lost=m["steps_lost"])
     if "torchrun" in medians:
         m = medians["torchrun"]
         summary.update(torchrun_downtime_s=m["downtime_s"], torchrun_steps_lost=m["steps_lost"],
@@ -407,10 +433,23 @@ def main() -> None:
                                                               / medians["torchrun"]["downtime_s"])
     if "phalanx" in medians and "checkpointless" in medians:
         summary["downtime_ratio"] = medians["checkpointless"]["downtime_s"] / medians["phalanx"]["downtime_s"]
-    if overhead["snapshots_on"] and overhead["snapshots_off"]:
-        on, off = median(overhead["snapshots_on"]), median(overhead["snapshots_off"])
-        summary.update(snapshot_tokens_per_s_on=on, snapshot_tokens_per_s_off=off, snapshot_throughput_ratio=on / off)
-        print(f"buddy snapshots every step: {on:,.0f} vs {off:,.0f} tokens/s off (ratio {on / off:.3f})")
+    if overhead["interval_0"]:
+        off = {k: median([r[k] for r in overhead["interval_0"]]) for k in ("tokens_per_s", "cpu_s_per_step")}
+        summary.update(snapshot_tokens_per_s_off=off["tokens_per_s"], snapshot_cpu_s_per_step_off=off["cpu_s_per_step"])
+        for k in intervals[1:]:
+            runs = overhead[f"interval_{k}"]
+            on = {m: median([r[m] for r in runs]) for m in ("tokens_per_s", "cpu_s_per_step")}
+            # pairwise: each run beside the off run of the same round
+            pairs = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs, overhead["interval_0"])]
+            name = "" if k == 1 else f"_every_{k}"
+            summary.update({f"snapshot_tokens_per_s_on{name}": on["tokens_per_s"],
+                            f"snapshot_throughput_ratio{name}": on["tokens_per_s"] / off["tokens_per_s"],
+                            f"snapshot_cpu_s_per_step_on{name}": on["cpu_s_per_step"],
+                            f"snapshot_cpu_per_step_ratio{name}": off["cpu_s_per_step"] / on["cpu_s_per_step"]})
+            print(f"buddy snapshots every {k} step(s): {on['tokens_per_s']:,.0f} vs {off['tokens_per_s']:,.0f} "
+                  f"tokens/s off (ratio {on['tokens_per_s'] / off['tokens_per_s']:.3f}; pairs "
+                  f"{', '.join(f'{p:.3f}' for p in pairs)}); rank 0's CPU per step {on['cpu_s_per_step'] * 1e3:.1f} "
+                  f"vs {off['cpu_s_per_step'] * 1e3:.1f} ms")
     path = write_results(args.out, {
         "benchmark": "recovery",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recovery.py " + " ".join(sys.argv[1:]),
@@ -418,7 +457,7 @@ def main() -> None:
                    "fail_step": args.fail_step, "job": job_tree(Path("<run_dir>"), Path("<data>"), args.steps,
                                                                 args.interval),
                    "parallel": {h.name: h.parallel for h in harnesses}},
-        "samples": samples, "medians": medians, "snapshot_overhead_tokens_per_s": overhead,
+        "samples": samples, "medians": medians, "snapshot_overhead": overhead,
         "summary": {**{k: round(v, 4) for k, v in summary.items()},
                     # torchft runs in its own harness (benchmarks/torchft_recovery.py); its figures sit here too
                     **summary_of(args.out.with_name("recovery_torchft.json"), "torchft_")},

@@ -41,6 +41,14 @@ def _train_and_swap(run_dir, data, steps_before, steps_after, swap):
             out["corruption_caught"] = False
         except IntegrityError as err:
             out["corruption_caught"] = "checksum" in str(err)
+        # A copy received without verification (a buddy snapshot) is checked when applied, before any write.
+        bad.verified = False
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        try:
+            bad.apply(trainer)
+            out["unverified_refused"] = False
+        except IntegrityError:
+            out["unverified_refused"] = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.model.parameters()))
     out["losses"] += [trainer.train_step()["loss"] for _ in range(steps_after)]
     out["step"] = trainer.progress.step
     return out
@@ -53,4 +61,5 @@ def test_state_from_a_peer_replica_continues_training_bit_exactly(tmp_path, demo
     assert all(r["losses"] == ref[0]["losses"] for r in ref + got)  # identical floats, every rank, every step
     assert all(r["step"] == 6 for r in got)
     assert all(r["corruption_caught"] for r in got)
+    assert all(r["unverified_refused"] for r in got)
     assert got[0]["nbytes"] > 0

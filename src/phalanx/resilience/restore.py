@@ -16,10 +16,10 @@ process) — the plan says `disk`: load the newest checkpoint (or initialise).
 What a copy is (`ShardState`). `ShardState.capture(trainer)` copies the trainer's `TrainState`
 (`phalanx.train.state`, the one definition of what training state is; checkpoints save the same) into host
 memory: this rank's shard of every parameter and optimizer-state tensor in one flat byte buffer with a table
-of contents — key, dtype, shape, offset, and a CRC32 per tensor — plus the step, samples consumed,
+of contents (key, dtype, shape, offset) and one CRC32 of the buffer, plus the step, samples consumed,
 LR-scheduler counters and RNG state. `apply(trainer)` writes it into a trainer built on the same shard layout.
 `exchange()` moves states between ranks over a process group (point-to-point, every transfer of a round posted
-at once), and the receiver verifies every tensor's checksum before anything is used.
+at once), and the receiver verifies the checksum before anything is used.
 
 `coord` says which shard a state is: this rank's position along every mesh dimension that shards the
 model (replicas along "dp_replicate" hold the same shard, so it is left out); `signature` is the layout
@@ -163,7 +163,6 @@ class Entry:
     shape: tuple
     offset: int
     nbytes: int
-    crc: int | None = None
 
 
 @dataclass
@@ -176,6 +175,8 @@ class ShardState:
     entries: list[Entry]
     data: torch.Tensor  # uint8, host memory
     taken_at: float = field(default_factory=time.time)
+    crc: int | None = None  # CRC32 of `data`, taken once where the state was captured (`seal`)
+    verified: bool = False  # `data` was checked against `crc` on this rank
 
     @property
     def nbytes(self) -> int:
@@ -185,23 +186,41 @@ class ShardState:
     @classmethod
     def capture(cls, trainer) -> "ShardState":
         """Copy `trainer`'s local state (valid at any step boundary, and after a fault mid-step: see
-        `TrainState.local_tensors`)."""
+        `TrainState.local_tensors`). On the training step's path when snapshots are on, so it is kept to one pass:
+        the tensors are grouped by dtype and each group is copied into its region of the buffer, viewed as that
+        dtype, by one `cat` (on CPU)."""
         state = trainer.state
-        tensors = state.local_tensors()
-        entries, offset = [], 0
-        for key, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            entries.append(Entry(key, str(t.dtype), tuple(t.shape), offset, nbytes))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+        groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for key, t in state.local_tensors():
+            groups.setdefault(t.dtype, []).append((key, t))
+        entries, regions, offset = [], [], 0
+        for dtype, group in groups.items():
+            start = offset
+            for key, t in group:
+                nbytes = t.numel() * t.element_size()
+                entries.append(Entry(key, str(dtype), tuple(t.shape), offset, nbytes))
+                offset += nbytes
+            regions.append((dtype, start, offset, group))
+            offset = -(-offset // _ALIGN) * _ALIGN  # the next region starts aligned
         data = torch.empty(offset, dtype=torch.uint8)
-        for e, (_, t) in zip(entries, tensors):
-            _view(data, e).copy_(t)  # device → host where the model lives on a GPU
+        with torch.no_grad():
+            for dtype, start, end, group in regions:
+                region = data[start:end].view(dtype)
+                if all(t.device.type == "cpu" for _, t in group):
+                    torch.cat([t.reshape(-1) for _, t in group], out=region)  # one call copies the group
+                else:  # device → host, tensor by tensor (a cat would need the group's size again on the device)
+                    for slot, (_, t) in zip(region.split([t.numel() for _, t in group]), group):
+                        slot.view(t.shape).copy_(t)
         coord, signature = shard_layout(trainer.mesh)
         return cls(coord, signature, state.progress.step, state.progress.samples_consumed, state.counters(),
                    entries, data)
 
     def apply(self, trainer) -> None:
-        """Write this state into `trainer` (built on the same layout). Checks fit before writing anything."""
+        """Write this state into `trainer` (built on the same layout). Checks the checksum (a sealed state not yet
+        verified here: a snapshot copy is checked when it is used, not when it arrives) and the fit before writing
+        anything."""
+        if self.crc is not None and not self.verified:
+            self.verify()
         coord, signature = shard_layout(trainer.mesh)
         if (coord, signature) != (self.coord, self.signature):
             raise IntegrityError(f"state of shard {self.coord} in layout {self.signature} does not fit shard "
@@ -218,41 +237,46 @@ class ShardState:
 
     # ---- integrity --------------------------------------------------------------------------------
     def seal(self) -> "ShardState":
-        """Compute every tensor's CRC32 (once)."""
-        for e in self.entries:
-            if e.crc is None:
-                e.crc = _crc(self.data, e)
+        """Take the checksum of `data` (once: a copy forwarded by a peer keeps the one taken at capture, so its
+        final receiver checks it end to end)."""
+        if self.crc is None:
+            self.crc = _crc(self.data)
+            self.verified = True
         return self
 
     def verify(self) -> None:
-        bad = [e.key for e in self.entries if e.crc is None or _crc(self.data, e) != e.crc]
-        if bad:
-            raise IntegrityError(f"{len(bad)} of {len(self.entries)} tensors fail their checksum "
-                                 f"(first: {bad[0]}) in the state of shard {self.coord} at step {self.step}")
+        got = _crc(self.data)
+        if got != self.crc:
+            found = "no checksum was taken" if self.crc is None else f"CRC32 {got:08x}, expected {self.crc:08x}"
+            raise IntegrityError(f"the state of shard {self.coord} at step {self.step} fails its checksum "
+                                 f"({self.nbytes} bytes, {len(self.entries)} tensors: {found})")
+        self.verified = True
 
     def header(self) -> dict:
         return {"coord": self.coord, "signature": self.signature, "step": self.step,
                 "samples_consumed": self.samples_consumed, "extra": self.extra,
-                "entries": [e.__dict__ for e in self.entries], "nbytes": self.nbytes, "taken_at": self.taken_at}
+                "entries": [e.__dict__ for e in self.entries], "nbytes": self.nbytes, "taken_at": self.taken_at,
+                "crc": self.crc}
 
     @classmethod
     def from_header(cls, h: dict, data: torch.Tensor) -> "ShardState":
         return cls(h["coord"], h["signature"], h["step"], h["samples_consumed"], h["extra"],
-                   [Entry(**e) for e in h["entries"]], data, h["taken_at"])
+                   [Entry(**e) for e in h["entries"]], data, h["taken_at"], h["crc"])
 
 
 def _view(data: torch.Tensor, e: Entry) -> torch.Tensor:
     return data[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)
 
 
-def _crc(data: torch.Tensor, e: Entry) -> int:
-    return zlib.crc32(memoryview(data[e.offset:e.offset + e.nbytes].numpy()))
+def _crc(data: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(data.numpy()))  # one pass over the buffer (zlib releases the GIL)
 
 
-def exchange(sends: list[tuple[int, ShardState]], recvs: list[int], group=None) -> dict[int, ShardState]:
+def exchange(sends: list[tuple[int, ShardState]], recvs: list[int], group=None, *,
+             verify: bool = True) -> dict[int, ShardState]:
     """Send each (dst, state) and receive one state from each src in `recvs`, all posted at once (so a
-    ring of buddies cannot deadlock). Received states are verified. Ranks are global ranks of `group`.
-    Returns {src: state}."""
+    ring of buddies cannot deadlock). Received states are verified (with `verify=False`, when applied:
+    buddy snapshots, most of which are never used). Ranks are global ranks of `group`. Returns {src: state}."""
 
     def wait(works):
         for w in works:
@@ -274,6 +298,7 @@ def exchange(sends: list[tuple[int, ShardState]], recvs: list[int], group=None) 
     out = {}
     for src in recvs:
         state = ShardState.from_header(parsed[src], data_in[src])
-        state.verify()
+        if verify:
+            state.verify()
         out[src] = state
     return out
