@@ -460,6 +460,25 @@ def test_a_node_fault_stops_the_generation_and_auto_resume_restarts_on_the_survi
     assert c.node("workers-3").is_spare
 
 
+def test_agents_of_a_job_changing_generation_are_asked_to_heartbeat_sooner_until_it_runs_again(make):
+    from phalanx.control.policy.assignments import FAST_POLL_S
+
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, auto_resume=True)
+    running(c, job.id, 1)
+    survivor = c.agents["workers-0"]
+    assert "next_heartbeat_s" not in survivor.replies[-1], "a running generation: the normal interval"
+    c.inject_fault("workers-1", "kill-node")
+    c.run_until(lambda: c.generations(job.id)[0].stop_at is not None, "generation 1 told to stop")
+    seen = len(survivor.replies)
+    c.run_until(lambda: len(c.generations(job.id)) == 2, "generation 2")
+    stopping = survivor.replies[seen:]
+    assert stopping and all(r.get("next_heartbeat_s") == FAST_POLL_S for r in stopping)
+    running(c, job.id, 2)
+    c.run_until(lambda: "next_heartbeat_s" not in survivor.replies[-1], "the interval again once its workers run")
+    assert "next_heartbeat_s" not in c.agents["workers-2"].replies[-1]
+
+
 def test_a_node_fault_without_auto_resume_fails_the_job_and_the_node_is_still_replaced(make):
     c = make(count=2, spares=1).create()
     job = c.submit(nodes=2)

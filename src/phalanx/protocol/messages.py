@@ -149,6 +149,9 @@ class HeartbeatReply(_Message):
     faults: list[str] = []  # operator-injected faults the node's next health check reports
     standby: int = 0  # warm standby workers to keep
     deep_check: DeepCheckPart | None = None
+    # sooner than heartbeat_interval_s: a job on this node is changing generation (a stop to acknowledge, new
+    # workers to start), so the next decision reaches the agent in this many seconds instead of an interval
+    next_heartbeat_s: float | None = Field(None, gt=0)
 
 
 class RecoverySummary(BaseModel):

@@ -106,6 +106,7 @@ class Agent:
         self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set,
                                         work_dir=self.work_dir, store_addr=self.store_addr, template=self.template)
         self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)
+        self.next_heartbeat_s: float | None = None  # the last reply's request to come back sooner
         self.controller_id: float | None = None  # start time of the controller that sent it
         self.relay_gap = True  # progress relay may have missed something: restart the hang clocks
 
@@ -234,6 +235,7 @@ class Agent:
             self.deep.apply(reply.deep_check)
         self.workers.acknowledged(body["workers"])
         self.reply_sent_at = reply.sent_at
+        self.next_heartbeat_s = reply.next_heartbeat_s  # sooner while a job here changes generation
         for fault in reply.faults:
             if act_on(fault):  # kill-node, freeze-node, a worker signal: the controller cannot reach this host
                 continue
@@ -266,6 +268,7 @@ class Agent:
                 self.exit_reason = f"work dir {self.work_dir} is gone (cluster deleted)"
                 break
             self.wake.clear()
+            self.next_heartbeat_s = None
             try:
                 if url is None:
                     raise ControllerUnreachable(f"no endpoint file at {self.endpoint_file}")
@@ -298,7 +301,7 @@ class Agent:
                     self.exit_reason = f"controller does not know node {self.name} ({err.detail})"
                     break
                 log.error("heartbeat refused (%s); retrying in %g s", err, self.interval)
-            self.wake.wait(self.interval)
+            self.wake.wait(self.next_heartbeat_s or self.interval)
         self.shutdown()
         return 0
 

@@ -20,12 +20,17 @@ from phalanx.protocol.messages import Assignment, Progress, RankSlot, WorkerRepo
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
+FAST_POLL_S = 0.05  # a hurried agent's heartbeat period (next_heartbeat_s)...
+FAST_POLL_PER_S = 1000.0  # ...stretched so a generation's nodes send at most this many heartbeats a second
+HURRY_S = 10.0  # hurry at most this long after a generation ended or started
 
 
 class Assignments:
     # ---- heartbeats ---------------------------------------------------------------------------------
-    def ingest(self, node: Node, reports: list[WorkerReport], acked_at: float | None) -> None:
-        """Record an agent's worker reports (one row per job, generation and rank)."""
+    def ingest(self, node: Node, reports: list[WorkerReport], acked_at: float | None) -> bool:
+        """Record an agent's worker reports (one row per job, generation and rank). True when a worker's row
+        changed (news the scheduler may act on now)."""
+        changed = False
         with self.lock:
             self.records.set_node_ack(node.name, acked_at)
             known = {(w.job, w.generation, w.rank): w for w in self.records.workers(node=node.name)}
@@ -40,6 +45,7 @@ class Assignments:
                        "step": old.step if old else None, "started_at": r.started_at, "ended_at": r.ended_at}
                 if old is not None and all(getattr(old, k) == v for k, v in row.items()):
                     continue
+                changed = True
                 self.records.put_worker(row)
                 if r.carried_from:  # a survivor now serves this generation
                     g, rank = r.carried_from
@@ -54,7 +60,9 @@ class Assignments:
                                             node=node.name, job=r.job)
             for key, old in known.items():
                 if key not in seen and old.live:
+                    changed = True
                     self.records.update_worker(*key, state="lost", detail="no longer reported by its agent")
+        return changed
 
     def assignments(self, node: Node) -> tuple[float, list[Assignment], int]:
         """(sent_at, the workers `node` must run, the warm standbys it should keep). sent_at is taken first,
@@ -95,6 +103,32 @@ class Assignments:
                     ranks=ranks, progress={str(k): Progress(**v) for k, v in progress.items()},
                     hang_detection=relayed))
             return sent_at, out, self.standby_wanted(node)
+
+    def next_heartbeat_s(self, node: Node, now: float) -> float | None:
+        """How soon `node`'s agent should heartbeat again, when sooner than its interval: while a job on it changes
+        generation. A restart otherwise waits for a heartbeat twice — for the agents to stop and acknowledge the
+        old generation, then to hear of the new one — up to an interval each. A node is hurried while its job's
+        generation is stopping, while the job waits to relaunch (up to HURRY_S; a spare of its group too: it may
+        be the replacement), and from a launch until the node reports its workers (up to HURRY_S). The poll is
+        stretched so that the hurried nodes send at most FAST_POLL_PER_S heartbeats a second; None: the
+        interval."""
+        with self.lock:
+            for job in self.records.jobs(ACTIVE):
+                gen = self.records.generation(job.id, job.generation)
+                if gen is None:
+                    continue
+                mine = node.name in gen.nodes
+                if gen.stop_at is not None and gen.ended_at is None:
+                    hurry = mine  # its workers must stop and the agent say so
+                elif job.state == J.RECOVERING:
+                    hurry = (mine or (node.is_spare and node.group == job.group_name)) and \
+                        now - (gen.ended_at or gen.stop_at or now) < HURRY_S
+                else:  # running: until this node reports the generation's workers
+                    hurry = mine and now - gen.started_at < HURRY_S and not self.records.workers(
+                        job=job.id, generation=gen.generation, node=node.name)
+                if hurry:
+                    return max(FAST_POLL_S, len(gen.nodes) / FAST_POLL_PER_S)
+        return None
 
     def standby_wanted(self, node: Node) -> int:
         """Warm standby workers `node`'s agent should keep: one per slot on an idle healthy node of a group

@@ -153,7 +153,8 @@ def build_app(ctl) -> FastAPI:
             raise HTTPException(410, f"node {name} is terminated ({node.reason})")
         if node.handle is not None and hb.handle != node.handle:
             raise HTTPException(410, f"node {name} is run by the agent with handle {node.handle}, not {hb.handle}")
-        return answer_heartbeat(store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time())
+        return answer_heartbeat(store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time(),
+                                getattr(ctl, "poke", None))
 
     @app.post("/v1/join")
     def join(req: JoinRequest) -> dict:

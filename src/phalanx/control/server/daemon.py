@@ -50,6 +50,7 @@ from phalanx.control.state.store import ClusterStatus, NodeState, open_existing
 from phalanx.observability.events import EventKind as E
 
 TICK_S = 0.2
+MIN_TICK_GAP_S = 0.02  # pokes coalesce: at most one tick per this gap however many heartbeats bring news
 log = logging.getLogger("phalanx.controller")
 
 
@@ -103,6 +104,7 @@ class Controller:
         self.deep_checks = DeepCheckCoordinator(self.spec, self.backend)
         self.started_at: float | None = None
         self._exit = threading.Event()
+        self._poked = threading.Event()  # a heartbeat brought news a decision waits on: tick now
         self._stop_nodes_reason: str | None = None
         self._nodes_stopped = False  # stopped while the API still served (backend hosts)
 
@@ -205,11 +207,18 @@ class Controller:
             self._exit.wait(0.05)
         reconciler.started_at = time.time()
         while not self._exit.is_set():
+            self._poked.clear()
             try:
                 reconciler.tick()
             except Exception:
                 log.exception("reconciler tick failed; next: retrying in %.1f s", TICK_S)
-            self._exit.wait(TICK_S)
+            self._exit.wait(MIN_TICK_GAP_S)
+            self._poked.wait(TICK_S - MIN_TICK_GAP_S)
+
+    def poke(self) -> None:
+        """Tick now (within MIN_TICK_GAP_S of the last), not at the next TICK_S: a heartbeat brought news for a
+        job changing generation (`server/heartbeat.py`)."""
+        self._poked.set()
 
     def stop_all_nodes(self, reason: str) -> None:
         if self.jobs is not None:

@@ -8,6 +8,8 @@ Must not know: HTTP, processes.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from phalanx.control.state.store import ClusterStatus, Node, NodeState, Store
 from phalanx.protocol import PROTOCOL_VERSION
 from phalanx.protocol.messages import Heartbeat, HeartbeatReply
@@ -16,14 +18,16 @@ ENDED = (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus
 
 
 def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node: Node, hb: Heartbeat,
-                     now: float) -> dict:
+                     now: float, poke: Callable[[], None] | None = None) -> dict:
     """The reply to `hb` from `node` (already checked to be its agent's), as sent on the wire (the fields
-    set, so an agent reads exactly what the controller decided)."""
+    set, so an agent reads exactly what the controller decided). `poke` wakes the reconciler: called when the
+    heartbeat brings news for a job changing generation (a worker's state changed, or the node is hurried), so
+    the decision it waits on is taken now, not at the next tick."""
     store.update_node(node.name, last_heartbeat=now, handle=hb.handle, health=hb.health,
                       report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
                               "standbys": hb.standbys, "address": hb.address, "ifname": hb.ifname,
                               "free_ports": hb.free_ports})
-    jobs.ingest(node, hb.workers, hb.reply_sent_at)
+    changed = jobs.ingest(node, hb.workers, hb.reply_sent_at)
     status = store.cluster()["status"]
     sent_at, workers, standby = jobs.assignments(store.node(node.name))
     common = {"protocol": PROTOCOL_VERSION, "sent_at": sent_at, "controller": controller_id, "workers": [],
@@ -33,7 +37,11 @@ def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node
     elif status in ENDED:
         reply = HeartbeatReply(**common, action="terminate", reason=f"cluster is {status}")
     else:
+        soon = jobs.next_heartbeat_s(node, now)
         reply = HeartbeatReply(**{**common, "faults": store.take_directives(node.name), "workers": workers},
                                action="run", state=node.state.value, standby=standby,
-                               deep_check=deep_checks.assignment(node))
+                               deep_check=deep_checks.assignment(node),
+                               **({"next_heartbeat_s": soon} if soon is not None else {}))
+    if poke is not None and (changed or reply.next_heartbeat_s is not None):
+        poke()
     return reply.model_dump(exclude_unset=True)
