@@ -60,6 +60,9 @@ def test_a_forked_worker_runs_like_a_fresh_one_and_its_exit_reaches_the_agent(tm
         wait_for(lambda: "standby for standby/sb-1: warm" in text(tmp_path / "sb-1.log"), 60,
                    "the standby to say it is warm (its env is the one it was given)")
         assert sb.poll() is None
+        if os.geteuid() == 0:  # (CI): the template and the standby's warm-up yield to training on the host
+            assert os.sched_getscheduler(template.proc.pid) == os.SCHED_IDLE
+            assert os.sched_getscheduler(sb.pid) == os.SCHED_IDLE
         assert os.getpgid(sb.pid) == sb.pid, "a process group of its own"
         assert os.getsid(sb.pid) == os.getsid(template.proc.pid), "in the node's session"
         assert os.readlink(f"/proc/{sb.pid}/cwd") == str(tmp_path / "cwd")
@@ -92,5 +95,30 @@ def test_a_dead_template_leaves_its_workers_watched_and_the_next_fork_starts_ano
         assert again.poll() is None
         os.kill(again.pid, signal.SIGTERM)
         assert again.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        template.close()
+
+
+def test_an_activated_standby_runs_at_the_priority_its_template_had_before_it_lowered_it(tmp_path):
+    from datetime import timedelta
+
+    from distributed import _free_port
+
+    (tmp_path / "cwd").mkdir()
+    port = _free_port()
+    server = protocol.serve_store("127.0.0.1", port, timedelta(seconds=30))  # noqa: F841 - serves while alive
+    template = ready_template(tmp_path)
+    try:
+        env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", protocol.STANDBY_ID: "sb-5",
+               protocol.STORE_ADDR: f"127.0.0.1:{port}", protocol.CLUSTER_TOKEN: "t"}
+        sb = template.fork(WORKER + ["--standby"], env, tmp_path / "cwd", tmp_path / "sb-5.log")
+        wait_for(lambda: "standby for standby/sb-5: warm" in text(tmp_path / "sb-5.log"), 60, "the standby warm")
+        rank_env = {"RANK": "3", "WORLD_SIZE": "4", protocol.CONFIG: str(tmp_path / "missing.yaml")}
+        store = protocol.connect_store(f"127.0.0.1:{port}", "t", timedelta(seconds=10))
+        store.set(protocol.standby_key("sb-5"), protocol.standby_assignment("t", "sb-5", rank_env,
+                                                                                str(tmp_path / "rank3.log")))
+        assert sb.wait(timeout=60) == 2  # it became rank 3, whose config does not exist
+        assert f"warm standby activated as rank 3 (scheduling policy {os.sched_getscheduler(0)})" in \
+            text(tmp_path / "rank3.log")
     finally:
         template.close()

@@ -190,6 +190,7 @@ def wait_as_standby() -> None:
     import phalanx.train.trainer  # noqa: F401 - imported now, not after adoption
     import torch.utils.tensorboard  # noqa: F401 - rank 0's TensorBoard writer, should this spare become rank 0
     from phalanx.resilience.groups import warm_up
+    from phalanx.zygote import BASE_POLICY_ENV, restore_priority
 
     started = time.perf_counter()
     try:
@@ -224,6 +225,9 @@ def wait_as_standby() -> None:
                 continue  # nothing assigned within STANDBY_WAIT: wait again
             store = None  # the controller restarts; its store comes back on the same port
             time.sleep(0.5)
+    base_policy = os.environ.pop(BASE_POLICY_ENV, None)
+    if base_policy is not None:  # warmed up under its template's SCHED_IDLE (`phalanx.zygote`); a worker now
+        restore_priority(int(base_policy))
     os.environ.update(assignment["env"])
     os.environ[protocol.ACTIVATED_AT] = repr(time.time())
     log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -232,7 +236,8 @@ def wait_as_standby() -> None:
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    print(f"=== phalanx: warm standby activated as rank {os.environ[protocol.RANK]} ===", flush=True)
+    print(f"=== phalanx: warm standby activated as rank {os.environ[protocol.RANK]} (scheduling policy "
+          f"{os.sched_getscheduler(0)}) ===", flush=True)
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ The agent speaks JSON lines on the template's stdin and stdout (`control/agent/t
 side):
 
     → {"id": N, "argv": [python, "-m", "phalanx.worker", ...], "env": {...}, "cwd": DIR, "log": FILE}
-    ← {"ready": true, "pid": P, "import_s": S}        once, when the imports are done
+    ← {"ready": true, "pid": P, "import_s": S, "idle": B}  once, when the imports are done (B: under SCHED_IDLE)
     ← {"id": N, "pid": P} | {"id": N, "error": "..."}  the answer to each request
     ← {"exited": P, "code": C}                         a forked worker ended (C as Popen.returncode)
 
@@ -31,6 +31,48 @@ import sys
 import time
 
 FORKABLE = ("phalanx.worker", "phalanx.train.worker")
+# The template's imports and a warm standby's warm-up are done ahead of need: they yield to training on the same
+# host (the local backend's nodes share one machine; on 2 cores a spare's refill importing torch slowed the
+# replayed steps of a restart by a fifth) by running under SCHED_IDLE, which any runnable normal thread preempts
+# at once (a nicer nice value still took the CPU from workers waking up from every collective). Workers run
+# under the base policy again (a forked worker at once, a standby when it is activated) — so it is done only
+# where a process may take the base policy back (root with CAP_SYS_NICE, or an RLIMIT_NICE that allows it),
+# which is tried first.
+BASE_POLICY_ENV = "PHALANX_BASE_SCHED"  # a standby forked under SCHED_IDLE: the policy to take back
+_base_policy: int | None = None  # this template's scheduling policy before it yielded (None: it did not)
+
+
+def restore_priority(policy: int) -> bool:
+    """Every thread of this process back to scheduling `policy` (Linux keeps it per thread). False if refused."""
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+    except OSError as err:
+        print(f"phalanx: could not restore this process's scheduling policy {policy} ({err})", file=sys.stderr,
+              flush=True)
+        return False
+    return True
+
+
+def lower_priority() -> int | None:
+    """Run under SCHED_IDLE if a child could take the current policy back (tried in a throwaway child). Returns
+    the base policy, or None when left as it is."""
+    base = os.sched_getscheduler(0)
+    if base == os.SCHED_IDLE:
+        return None
+    pid = os.fork()
+    if pid == 0:  # (no thread runs yet: forking here is safe)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, base, os.sched_param(0))
+            os._exit(0)
+        except OSError:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return None
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return base
 
 
 def preload() -> None:
@@ -74,6 +116,11 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if _base_policy is not None:
+            if "--standby" in argv:  # warms up under the template's policy; takes the base back when activated
+                os.environ[BASE_POLICY_ENV] = str(_base_policy)
+            else:
+                restore_priority(_base_policy)
         import importlib.util
 
         from phalanx.worker import entry
@@ -89,13 +136,16 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
 
 
 def serve() -> int:
+    global _base_policy
     started = time.perf_counter()
+    _base_policy = lower_priority()
     preload()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (a handler, so the wakeup fd hears of every exit)
-    _send({"ready": True, "pid": os.getpid(), "import_s": round(time.perf_counter() - started, 3)})
+    _send({"ready": True, "pid": os.getpid(), "import_s": round(time.perf_counter() - started, 3),
+           "idle": _base_policy is not None})
     pending = b""
     while True:
         readable, _, _ = select.select([0, wake_r], [], [], 1.0)

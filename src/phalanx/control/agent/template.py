@@ -124,7 +124,8 @@ class WorkerTemplate:
                     self.exits[msg["exited"]] = msg["code"]
                 elif "ready" in msg:
                     self.ready = True
-                    log.info("worker template ready (pid %d, imports took %.2f s)", msg["pid"], msg["import_s"])
+                    log.info("worker template ready (pid %d, imports took %.2f s%s)", msg["pid"], msg["import_s"],
+                             ", under SCHED_IDLE" if msg.get("idle") else "")
                 elif "id" in msg:
                     self.replies[msg["id"]] = msg
                 self.cond.notify_all()
