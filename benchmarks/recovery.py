@@ -71,6 +71,7 @@ from phalanx.control.backends.local import child_with_env  # noqa: E402
 from phalanx.train.timeline import recovery_figures  # noqa: E402
 
 NODES = 4
+BLOCK_SIZE = 64  # tokens per sample of the benchmark's data (prepare_data)
 FIGURES = ("detect_s", "restart_s", "first_step_s", "steps_lost", "downtime_s", "stall_s", "rejoin_s")
 
 
@@ -227,7 +228,7 @@ class PhalanxHarness:
             raise RuntimeError(f"job {job['id']}: {info['state']}: {info['reason']}")
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in records if "event" not in r][warmup:]
-        tokens_per_step = tree["training"]["global_batch_size"] * 64  # the benchmark's block size
+        tokens_per_step = tree["training"]["global_batch_size"] * BLOCK_SIZE
         return {"tokens_per_s": tokens_per_step * (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"]),
                 "cpu_s_per_step": median([r["compute_time_s"] for r in steps])}
 
@@ -324,7 +325,7 @@ def prepare_data(root: Path) -> Path:
     from phalanx.data import prepare, write_demo_corpus
 
     corpus = write_demo_corpus(root / "corpus.jsonl")
-    prepare([corpus], root / "tokens", block_size=64, vocab_size=512, val_percent=0.0, progress=False)
+    prepare([corpus], root / "tokens", block_size=BLOCK_SIZE, vocab_size=512, val_percent=0.0, progress=False)
     return root / "tokens"
 
 

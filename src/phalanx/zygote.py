@@ -42,16 +42,15 @@ BASE_POLICY_ENV = "PHALANX_BASE_SCHED"  # a standby forked under SCHED_IDLE: the
 _base_policy: int | None = None  # this template's scheduling policy before it yielded (None: it did not)
 
 
-def restore_priority(policy: int) -> bool:
-    """Every thread of this process back to scheduling `policy` (Linux keeps it per thread). False if refused."""
+def restore_priority(policy: int) -> None:
+    """Every thread of this process back to scheduling `policy` (Linux keeps it per thread); a refusal is said on
+    stderr (the worker's log)."""
     try:
         for tid in os.listdir("/proc/self/task"):
             os.sched_setscheduler(int(tid), policy, os.sched_param(0))
     except OSError as err:
         print(f"phalanx: could not restore this process's scheduling policy {policy} ({err})", file=sys.stderr,
               flush=True)
-        return False
-    return True
 
 
 def lower_priority() -> int | None:
