@@ -47,7 +47,7 @@ observe: $(STAMP) system-deps
 	$(VENV)/bin/phalanx observe $(if $(CLUSTER),--cluster $(CLUSTER)) --port $(or $(PORT),9090)
 
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --runs 5
+	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py --runs 6 --interleaved-runs 3 --steps 30
 
 clean:
 	rm -rf runs data/demo .pytest_cache

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -93,19 +94,49 @@ def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = 
 
 
 def _watch(procs: list[subprocess.Popen]) -> int:
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            if code == BAD_INPUT_EXIT_CODE and _all_exit_by_themselves(procs, REFUSAL_GRACE_S):
-                return code  # every worker refused; rank 0 printed the reason
-            print(f"worker rank {rank} exited with code {code}; stopping the other workers", file=sys.stderr)
-            _stop(procs)
-            return code if code > 0 else 128 - code
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.1)
+    exits = _ExitWatch(procs)
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                if code == BAD_INPUT_EXIT_CODE and _all_exit_by_themselves(procs, REFUSAL_GRACE_S):
+                    return code  # every worker refused; rank 0 printed the reason
+                print(f"worker rank {rank} exited with code {code}; stopping the other workers", file=sys.stderr)
+                _stop(procs)
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            exits.wait([p for p, c in zip(procs, codes) if c is None])
+    finally:
+        exits.close()
+
+
+class _ExitWatch:
+    """Sleep until one of the workers exits: on a pidfd per worker (Linux ≥ 5.3), so the launcher takes no CPU
+    from the workers while they train; elsewhere a 0.1 s poll."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.fds: dict[int, int] = {}
+        for p in procs:
+            try:
+                self.fds[p.pid] = os.pidfd_open(p.pid)
+            except (AttributeError, OSError):  # no pidfd here: poll
+                self.close()
+                return
+
+    def wait(self, running: list[subprocess.Popen]) -> None:
+        fds = [self.fds[p.pid] for p in running if p.pid in self.fds]
+        if len(fds) == len(running) and fds:
+            select.select(fds, [], [])  # readable once that process has exited
+        else:
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
 
 def _all_exit_by_themselves(procs: list[subprocess.Popen], grace_s: float) -> bool:
