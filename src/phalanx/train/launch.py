@@ -129,7 +129,10 @@ class _ExitWatch:
     def wait(self, running: list[subprocess.Popen]) -> None:
         fds = [self.fds[p.pid] for p in running if p.pid in self.fds]
         if len(fds) == len(running) and fds:
-            select.select(fds, [], [])  # readable once that process has exited
+            waiter = select.poll()  # (not select.select: no limit on the fd numbers)
+            for fd in fds:
+                waiter.register(fd, select.POLLIN)  # readable once that process has exited
+            waiter.poll()
         else:
             time.sleep(0.1)
 
