@@ -208,7 +208,12 @@ def test_the_recipe_batch_script_trains_in_its_allocation_and_is_requeued_when_i
     batch_host = slurm.run("squeue", "-h", "-j", job, "-o", "%B").stdout.strip()
     assert slurm.kill_node(batch_host)
     slurm.run("scontrol", "update", f"nodename={batch_host}", "state=down", "reason=host died (test)")
-    wait_for(lambda: any(j["id"] == job and j["state"] == "PENDING" for j in slurm.jobs()), 60, "the requeue")
+    try:
+        wait_for(lambda: any(j["id"] == job and j["state"] == "PENDING" for j in slurm.jobs()), 60, "the requeue")
+    except AssertionError as err:  # (seen twice in 4 runs on 2026-11-26: say what Slurm and the job said)
+        job_info = slurm.run("scontrol", "show", "job", job, check=False)
+        raise AssertionError(f"{err}\nsqueue: {slurm.jobs()}\nscontrol show job: {job_info.stdout}{job_info.stderr}"
+                             f"\nbatch output tail:\n{out.read_text(errors='replace')[-4000:]}") from None
     slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")  # eligible now, not after Slurm's 120 s
     wait_for(lambda: not any(j["id"] == job for j in slurm.jobs()), 240, "the requeued job to finish")
 
