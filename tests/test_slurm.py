@@ -210,7 +210,7 @@ def test_the_recipe_batch_script_trains_in_its_allocation_and_is_requeued_when_i
     slurm.run("scontrol", "update", f"nodename={batch_host}", "state=down", "reason=host died (test)")
     try:
         wait_for(lambda: any(j["id"] == job and j["state"] == "PENDING" for j in slurm.jobs()), 60, "the requeue")
-    except AssertionError as err:  # (seen twice in 4 runs on 2026-11-26: say what Slurm and the job said)
+    except AssertionError as err:  # (timed out in 2 of 6 runs on 2026-11-26: say what Slurm and the job said)
         job_info = slurm.run("scontrol", "show", "job", job, check=False)
         raise AssertionError(f"{err}\nsqueue: {slurm.jobs()}\nscontrol show job: {job_info.stdout}{job_info.stderr}"
                              f"\nbatch output tail:\n{out.read_text(errors='replace')[-4000:]}") from None
