@@ -17,6 +17,14 @@ from phalanx.control.state.paths import ClusterPaths, list_clusters
 from phalanx.control.state.store import Store
 
 
+
+def keep_for_debugging(name: str, folder: Path) -> None:
+    """PHALANX_TEST_KEEP=1: copy cluster `name`'s files (logs, database, Slurm output) to folder/kept-NAME before
+    a teardown deletes it."""
+    if os.environ.get("PHALANX_TEST_KEEP"):
+        shutil.copytree(ClusterPaths.for_name(name).root, folder / f"kept-{name}", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.sock"))
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """A private PHALANX_HOME. Teardown: delete every cluster, then fail if any process of it survived."""
@@ -35,9 +43,7 @@ def home(tmp_path, monkeypatch):
                 tracebacks.append(f"{log}:\n{log.read_text()[-3000:]}")
     errors = []
     for name in list_clusters():
-        if os.environ.get("PHALANX_TEST_KEEP"):  # debugging: keep the cluster's logs and database
-            shutil.copytree(ClusterPaths.for_name(name).root, tmp_path / f"kept-{name}", dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("*.sock"))
+        keep_for_debugging(name, tmp_path)
         try:
             delete_cluster(name, timeout_s=15)
         except Exception as err:  # keep cleaning up; reported below

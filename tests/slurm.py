@@ -154,20 +154,29 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return found
 
     def kill_node(self, node: str) -> list[int]:
-        """The host `node` dies: its slurmd, every step daemon on it and every process they started (SIGKILL).
-        Slurm hears of it when its slurmd stays silent for SlurmdTimeout, or at once from `mark_down`."""
+        """The host `node` dies: its slurmd, every step daemon on it and every process they started, all at once.
+        Slurm hears of it when its slurmd stays silent for SlurmdTimeout, or at once from `mark_down`.
+
+        All at once: every process is stopped (SIGSTOP) before any is killed (SIGKILL). Killed one by one, a step
+        daemon sees its task die first and tells slurmctld (the batch script "killed by signal 9": a finished job,
+        not a failed node), which no dead host does."""
         from phalanx.control.agent.join import descendants
 
-        self.kill_slurmd(node)
-        killed = []
-        for stepd in self.stepds(node):
-            for pid in [*descendants(stepd), stepd]:
+        def send(pids, sig) -> None:
+            for pid in pids:
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
+                    os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-        return killed
+
+        slurmd, stepds = self._pid(f"slurmd-{node}"), self.stepds(node)
+        stopped = set(stepds) | ({slurmd} if slurmd else set())
+        send(stopped, signal.SIGSTOP)
+        while new := {kid for stepd in stepds for kid in descendants(stepd)} - stopped:  # until none forks
+            send(new, signal.SIGSTOP)
+            stopped |= new
+        send(stopped, signal.SIGKILL)
+        return sorted(stopped - {slurmd})  # the step daemons and their processes
 
     def kill_slurmd(self, node: str) -> None:
         pid = self._pid(f"slurmd-{node}")

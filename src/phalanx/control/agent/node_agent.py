@@ -79,7 +79,7 @@ def output_tail(path: Path, lines: int = TAIL_LINES, max_chars: int = 4000) -> s
 class Agent:
     def __init__(self, cfg: dict):
         self.cfg = cfg
-        self._requeue_asked = False  # slurm: `scontrol requeue` asked once (maybe_requeue)
+        self._requeue_next = 0.0  # slurm: when to ask `scontrol requeue` (maybe_requeue); inf once Slurm said yes
         self.name: str = cfg["node"]
         # who the controller knows as this node: the handle it joined with (backend hosts), its backend's, its pid
         self.handle = cfg.get("handle") or os.environ.get(NODE_HANDLE) or str(os.getpid())
@@ -308,19 +308,28 @@ class Agent:
     def maybe_requeue(self, down_s: float) -> None:
         """`cluster up --slurm`: the controller runs on the allocation's batch host. Silent this long, that host
         is taken for dead, and Slurm keeps a job whose batch host failed under --no-kill running without its
-        script: ask Slurm to requeue the job (its next run resumes from the checkpoint). Once per agent."""
+        script: ask Slurm to requeue the job (its next run resumes from the checkpoint). Until Slurm accepts: a
+        refusal (slurmctld busy, the job mid-transition) is asked again 10 s later."""
         requeue = self.cfg.get("slurm_requeue") or {}
         job = requeue.get("job")
-        if not job or os.environ.get("SLURM_JOB_ID") != job or down_s < requeue["after_s"] or self._requeue_asked:
+        if (not job or os.environ.get("SLURM_JOB_ID") != job or down_s < requeue["after_s"]
+                or time.monotonic() < self._requeue_next):
             return  # not an agent of the allocation's own step (a refill job's agent leaves it to those)
-        self._requeue_asked = True
+        self._requeue_next = time.monotonic() + 10.0
         log.error("controller unreachable for %.0f s (slurm: the batch host is taken for dead); next: scontrol "
                   "requeue %s, the job resumes from its checkpoint", down_s, job)
         try:
             done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
-            log.info("scontrol requeue %s: %s", job, (done.stderr or done.stdout).strip() or f"exit {done.returncode}")
         except (OSError, subprocess.TimeoutExpired) as err:
-            log.error("scontrol requeue %s failed: %s", job, err)
+            log.error("scontrol requeue %s failed: %s; next: asking again in 10 s", job, err)
+            return
+        said = (done.stderr or done.stdout).strip()
+        if done.returncode == 0:
+            self._requeue_next = float("inf")
+            log.info("scontrol requeue %s: accepted%s", job, f" ({said})" if said else "")
+        else:
+            log.error("scontrol requeue %s refused (exit %d): %s; next: asking again in 10 s", job,
+                      done.returncode, said)
 
     def shutdown(self) -> None:
         self.stop.set()

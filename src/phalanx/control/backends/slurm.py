@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 import shlex
 import subprocess
 import sys
@@ -88,7 +89,8 @@ class SlurmBackend(HostsBackend):
         return {**env, TOKEN_ENV: self.paths.read_token()}
 
     def batch_script(self, group: str, nodes: int) -> str:
-        step = shlex.join([*self.agent_step(nodes), *self.agent_command(group)])
+        output = self.paths.root / "slurm" / f"%j.{group}.%t.out"
+        step = shlex.join([*self.agent_step(nodes, output), *self.agent_command(group)])
         # exec: the step is the batch step's own process, which Slurm signals and ends (a backgrounded srun
         # outlives its killed shell under proctrack/linuxproc); USR2 (--signal=B:USR2@120) reaches the agents
         return (f"#!/bin/bash\n"
@@ -96,10 +98,13 @@ class SlurmBackend(HostsBackend):
                 f"# allocation; each joins the cluster's controller. Written by Phalanx's slurm backend.\n"
                 f"exec {step}\n")
 
-    def agent_step(self, nodes: int) -> list[str]:
+    def agent_step(self, nodes: int, output: Path) -> list[str]:
         """The `srun` that starts one agent on each of `nodes` nodes (every resource of the node: its workers run
-        under the agent, in the step's cgroup)."""
-        return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1", "--whole", "--nodes", str(nodes)]
+        under the agent, in the step's cgroup). Each agent's log goes to its own `output` file (a pattern: %t the
+        task), written by the step daemon on its node: srun, on the batch host, does not carry it, so the agents
+        of the other nodes still log when that host dies."""
+        return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1", "--whole", "--nodes", str(nodes),
+                f"--output={output}"]
 
     def _start_in_allocation(self, group: str, nodes: list[Node]) -> str:
         """`cluster up --slurm`: the group's first agents run as a step of the allocation this controller runs in,
@@ -111,7 +116,8 @@ class SlurmBackend(HostsBackend):
         folder.mkdir(exist_ok=True)
         with open(folder / f"{job}.{group}.out", "ab") as out:
             self._steps[(job, group)] = subprocess.Popen(
-                [*self.agent_step(len(nodes)), f"--jobid={job}", f"--relative={used}", "--overlap",
+                [*self.agent_step(len(nodes), folder / f"{job}.{group}.%t.out"), f"--jobid={job}",
+                 f"--relative={used}", "--overlap",
                  *self.agent_command(group)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.agent_env(submit=False))
         return job
