@@ -13,7 +13,7 @@ later than the first (measured: initialization 6.3 s vs 0.7 s), a difference tha
   goodput           committed samples ÷ (wall × failure-free throughput): the step the run had reached at the
                     end (steps redone after a rollback count once) ÷ the step the same harness reached in a
                     failure-free run of the same length (same job, same cluster, from submission: the start-up
-                    is in both), run just before it
+                    is in both), run just before it (runs 1, 3, ...) or just after it (runs 2, 4, ...)
   ledger_goodput    Phalanx only: the job's goodput ledger's productive ÷ wall (`phalanx job goodput`), the
                     same time attributed from the run's own events
   kills             the faults injected; generations: the job's generations (Phalanx)
@@ -103,12 +103,15 @@ class PhalanxRun:
             kills.append({"at": round(now - start, 3), "rank": rank, "node": gen["nodes"][rank],
                           "generation": gen["generation"]})
         end = time.time()
-        reached = max((s["step"] for s in steps_of(run_dir / "metrics.jsonl") if s["time"] <= end), default=0)
+        steps = steps_of(run_dir / "metrics.jsonl")
+        reached = max((s["step"] for s in steps if s["time"] <= end), default=0)
+        progress = [[t, max((s["step"] for s in steps if s["time"] <= start + t), default=0)]
+                    for t in range(5, int(duration) + 1, 5)]  # [seconds since submission, step reached]
         self.h.jobs.cancel(job["id"])
         info = self.h.jobs.describe(job["id"])
         ledger = self.h.jobs.goodput(job["id"], info)
         return {"wall_s": end - start, "reached_step": reached, "kills": kills,
-                "generations": len(info["generations"]), "ledger_goodput": ledger.goodput,
+                "generations": len(info["generations"]), "progress": progress, "ledger_goodput": ledger.goodput,
                 "ledger_seconds": ledger.seconds}
 
 
@@ -195,8 +198,13 @@ def main() -> None:
     try:
         for i in range(args.runs):
             for r in runners:
-                free = r.run(job_tree(root / f"{r.name}-free-{i}", data, FOREVER, args.interval), args.duration, None)
-                s = r.run(job_tree(root / f"{r.name}-{i}", data, FOREVER, args.interval), args.duration, args.period)
+                pair = [(f"{r.name}-free-{i}", None), (f"{r.name}-{i}", args.period)]
+                if i % 2:  # alternate which runs first: the second run on a cluster is not the first's equal
+                    pair.reverse()
+                done = {name: r.run(job_tree(root / name, data, FOREVER, args.interval), args.duration, period)
+                        for name, period in pair}
+                free, s = done[f"{r.name}-free-{i}"], done[f"{r.name}-{i}"]
+                s["order"] = "failure-free first" if i % 2 == 0 else "faulty first"
                 s["failure_free"] = free
                 s["goodput"] = s["reached_step"] / free["reached_step"]
                 samples[r.name].append(s)
