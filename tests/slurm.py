@@ -170,7 +170,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                     pass
 
         slurmd, stepds = self._pid(f"slurmd-{node}"), self.stepds(node)
-        stopped = set(stepds) | ({slurmd} if slurmd else set())
+        # every process found first, then all stopped in one loop: no /proc scan between the first stop and the last
+        stopped = {*stepds, *(kid for stepd in stepds for kid in descendants(stepd)), *([slurmd] if slurmd else [])}
         send(stopped, signal.SIGSTOP)
         while new := {kid for stepd in stepds for kid in descendants(stepd)} - stopped:  # until none forks
             send(new, signal.SIGSTOP)
