@@ -17,13 +17,13 @@ from phalanx.control.state.paths import ClusterPaths, list_clusters
 from phalanx.control.state.store import Store
 
 
-
 def keep_for_debugging(name: str, folder: Path) -> None:
     """PHALANX_TEST_KEEP=1: copy cluster `name`'s files (logs, database, Slurm output) to folder/kept-NAME before
     a teardown deletes it."""
     if os.environ.get("PHALANX_TEST_KEEP"):
         shutil.copytree(ClusterPaths.for_name(name).root, folder / f"kept-{name}", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.sock"))
+
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):

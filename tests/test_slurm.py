@@ -104,8 +104,8 @@ def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(t
                 auto_resume=True, name="cl")
     step_at_least(jobs, "cl", 12, timeout=120)
     first = jobs.describe("cl")["generations"][0]["nodes"]
-    # a member that is not the allocation's batch host (the batch host's death inside `cluster up`, where the
-    # controller runs on it, is the requeue's case, tested below)
+    # a member that is not the allocation's batch host: Slurm may end every agent's step when that host dies
+    # (README, "Running on Slurm"); inside `cluster up` its death is the requeue's case, tested below
     batch_host = slurm.run("squeue", "-h", "-j", alloc["id"], "-o", "%B").stdout.strip()
     victim = next(n for n in first if places[n][1] != batch_host)
     # squeue stays truthful: the allocation's comment names the Phalanx job each of its nodes runs

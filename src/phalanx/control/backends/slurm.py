@@ -101,8 +101,8 @@ class SlurmBackend(HostsBackend):
     def agent_step(self, nodes: int, output: Path) -> list[str]:
         """The `srun` that starts one agent on each of `nodes` nodes (every resource of the node: its workers run
         under the agent, in the step's cgroup). Each agent's log goes to its own `output` file (a pattern: %t the
-        task), written by the step daemon on its node: srun, on the batch host, does not carry it, so the agents
-        of the other nodes still log when that host dies."""
+        task), written by the step daemon on its node: srun, on the batch host, does not carry it, so an agent
+        that outlives that host still logs."""
         return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1", "--whole", "--nodes", str(nodes),
                 f"--output={output}"]
 
