@@ -170,10 +170,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                     pass
 
         slurmd, stepds = self._pid(f"slurmd-{node}"), self.stepds(node)
-        # every process found first, then all stopped in one loop: no /proc scan between the first stop and the last
-        stopped = {*stepds, *(kid for stepd in stepds for kid in descendants(stepd)), *([slurmd] if slurmd else [])}
-        send(stopped, signal.SIGSTOP)
-        while new := {kid for stepd in stepds for kid in descendants(stepd)} - stopped:  # until none forks
+        host = {*stepds, *([slurmd] if slurmd else [])}
+        stopped: set[int] = set()
+        # every process found before any is stopped; then again until none forked in between
+        while new := {*host, *(kid for stepd in stepds for kid in descendants(stepd))} - stopped:
             send(new, signal.SIGSTOP)
             stopped |= new
         send(stopped, signal.SIGKILL)
