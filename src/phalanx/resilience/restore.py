@@ -177,6 +177,7 @@ class ShardState:
     taken_at: float = field(default_factory=time.time)
     crc: int | None = None  # CRC32 of `data`, taken once where the state was captured (`seal`)
     verified: bool = False  # `data` was checked against `crc` on this rank
+    copied: object = field(default=None, repr=False)  # a GPU capture's CUDA event: `data` is valid once it completes
 
     @property
     def nbytes(self) -> int:
@@ -184,11 +185,17 @@ class ShardState:
 
     # ---- capture and apply ------------------------------------------------------------------------
     @classmethod
-    def capture(cls, trainer) -> "ShardState":
+    def capture(cls, trainer, stream=None) -> "ShardState":
         """Copy `trainer`'s local state (valid at any step boundary, and after a fault mid-step: see
         `TrainState.local_tensors`). On the training step's path when snapshots are on, so it is kept to one pass:
         the tensors are grouped by dtype and each group is copied into its region of the buffer, viewed as that
-        dtype, by one `cat` (on CPU)."""
+        dtype, by one `cat` (on CPU).
+
+        On a GPU the buffer is pinned and the copies are queued on `stream` (a side stream, after what the
+        current stream has queued): the call returns at once and the copies run beside the next step's compute.
+        `copied` is then the CUDA event that completes with them; the optimizer must not update these tensors
+        before it (`BuddySnapshots` makes the update wait on it), and whoever reads `data` calls `ready()` first
+        (`seal`, `verify` and `apply` do). Without `stream` the copies complete before the call returns."""
         state = trainer.state
         groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for key, t in state.local_tensors():
@@ -202,23 +209,47 @@ class ShardState:
                 offset += nbytes
             regions.append((dtype, start, offset, group))
             offset = -(-offset // _ALIGN) * _ALIGN  # the next region starts aligned
-        data = torch.empty(offset, dtype=torch.uint8)
+        on_gpu = any(t.device.type == "cuda" for _, _, _, group in regions for _, t in group)
+        data = torch.empty(offset, dtype=torch.uint8, pin_memory=on_gpu)
+        copied, wait = None, stream is None
         with torch.no_grad():
+            if on_gpu:
+                stream = stream or torch.cuda.current_stream()
+                stream.wait_stream(torch.cuda.current_stream())  # the step's last update is queued before
             for dtype, start, end, group in regions:
                 region = data[start:end].view(dtype)
                 if all(t.device.type == "cpu" for _, t in group):
                     torch.cat([t.reshape(-1) for _, t in group], out=region)  # one call copies the group
-                else:  # device → host, tensor by tensor (a cat would need the group's size again on the device)
-                    for slot, (_, t) in zip(region.split([t.numel() for _, t in group]), group):
+                    continue
+                # device → host, tensor by tensor (a cat would need the group's size again on the device)
+                for slot, (_, t) in zip(region.split([t.numel() for _, t in group]), group):
+                    if t.device.type == "cuda":
+                        with torch.cuda.stream(stream):
+                            slot.view(t.shape).copy_(t, non_blocking=True)
+                    else:  # a host tensor beside device ones (Adam's step count)
                         slot.view(t.shape).copy_(t)
+            if on_gpu:
+                copied = torch.cuda.Event()
+                copied.record(stream)
         coord, signature = shard_layout(trainer.mesh)
-        return cls(coord, signature, state.progress.step, state.progress.samples_consumed, state.counters(),
-                   entries, data)
+        captured = cls(coord, signature, state.progress.step, state.progress.samples_consumed, state.counters(),
+                       entries, data, copied=copied)
+        if wait:
+            captured.ready()
+        return captured
+
+    def ready(self) -> "ShardState":
+        """Wait until `data` holds the captured state (a GPU capture's copies have completed)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        return self
 
     def apply(self, trainer) -> None:
         """Write this state into `trainer` (built on the same layout). Checks the checksum (a sealed state not yet
         verified here: a snapshot copy is checked when it is used, not when it arrives) and the fit before writing
         anything."""
+        self.ready()
         if self.crc is not None and not self.verified:
             self.verify()
         coord, signature = shard_layout(trainer.mesh)
@@ -239,13 +270,14 @@ class ShardState:
     def seal(self) -> "ShardState":
         """Take the checksum of `data` (once: a copy forwarded by a peer keeps the one taken at capture, so its
         final receiver checks it end to end)."""
+        self.ready()
         if self.crc is None:
             self.crc = _crc(self.data)
             self.verified = True
         return self
 
     def verify(self) -> None:
-        got = _crc(self.data)
+        got = _crc(self.ready().data)
         if got != self.crc:
             found = "no checksum was taken" if self.crc is None else f"CRC32 {got:08x}, expected {self.crc:08x}"
             raise IntegrityError(f"the state of shard {self.coord} at step {self.step} fails its checksum "

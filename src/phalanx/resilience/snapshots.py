@@ -10,7 +10,10 @@ dropped. Until then the previous complete snapshot is kept, so a failure at any 
 that all shards have (`restore.choose_plan` finds it).
 
 The capture is the only part on the training step's path (a host copy of the local shards); the exchange
-and the agreement run beside the next steps on their own gloo group. A snapshot step whose previous
+and the agreement run beside the next steps on their own gloo group. On a GPU even the copy leaves the path:
+it is queued on a side stream into pinned memory and runs beside the next step's forward and backward; the
+next optimizer update waits for it (an optimizer step pre-hook makes the compute stream wait on the copy's
+event), and the exchange thread waits for it before it reads the buffer. A snapshot step whose previous
 exchange is still running waits for it — skipping would desynchronise the ranks' exchanges.
 
 `SnapshotShelf` keeps the copies across generations (a survivor's snapshots outlive its process groups);
@@ -100,6 +103,11 @@ class BuddySnapshots:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.enabled else None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # GPU: the copies run on their own stream; the next update waits for the newest one (`_copying`)
+        on_gpu = self.enabled and trainer.device.type == "cuda"
+        self._stream = torch.cuda.Stream(trainer.device) if on_gpu else None
+        self._copying = None
+        self._hook = trainer.optimizer.register_step_pre_hook(self._before_update) if on_gpu else None
         if interval > 0 and not self.enabled:
             log.warning("buddy snapshots off: every rank is on one node (no other node to hold a copy)")
 
@@ -113,7 +121,8 @@ class BuddySnapshots:
             kind = PeerFault if is_peer_fault(self.error) else RuntimeError
             raise kind(f"buddy snapshot exchange failed: {self.error}") from self.error
         epoch = self.shelf.epoch
-        state = ShardState.capture(self.trainer)
+        state = ShardState.capture(self.trainer, stream=self._stream)
+        self._copying = state.copied
         self.shelf.add_own(epoch, state)
         self._thread = threading.Thread(target=self._exchange, args=(state, epoch), daemon=True,
                                         name=f"phalanx-snapshot-{step}")
@@ -130,13 +139,26 @@ class BuddySnapshots:
         except Exception as err:  # the peer died mid-exchange; the training loop sees the fault itself
             self.error = err
 
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        """The optimizer is about to write the tensors the newest capture may still be copying."""
+        if self._copying is not None:
+            torch.cuda.current_stream().wait_event(self._copying)
+            self._copying = None
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
     def release(self) -> None:
-        """Drop the group (a fault: don't wait for a thread that may be blocked on a dead peer)."""
+        """Drop the group (a fault: don't wait for a thread that may be blocked on a dead peer). A GPU copy in
+        flight is waited for (it needs no peer): recovery may write the tensors it reads."""
+        if self._copying is not None:
+            self._copying.synchronize()
+            self._copying = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self.group = None
         self._thread = None
         self.trainer = None
