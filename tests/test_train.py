@@ -36,6 +36,24 @@ def test_one_rank_fsdp4_and_hsdp_2x2_agree(tmp_path, demo_data, reference):
     assert reference[10] < reference[1] - 0.5, "the model should learn"
 
 
+def test_compiled_blocks_train_like_eager_and_write_checkpoints_an_eager_run_resumes(tmp_path, demo_data, reference,
+                                                                                     monkeypatch):
+    """`compile: true` (each block compiled in place, before FSDP) gives the eager run's losses, and its checkpoint
+    keeps the eager parameter names: a run without compile resumes from it."""
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the workers inherit it: where inductor writes
+    compiled = losses(run_training(tiny_config(tmp_path / "c", demo_data, compile=True), nproc=2))
+    assert any(cache.rglob("*.py")), "inductor generated no code: the blocks were not compiled"
+    assert sorted(compiled) == list(range(1, 11))
+    for step in range(1, 11):
+        assert abs(compiled[step] - reference[step]) <= 1e-4, (step, compiled[step], reference[step])
+    eager = losses(run_training(tiny_config(tmp_path / "c", demo_data, training={"max_steps": 12}), nproc=2))
+    _, events = read_metrics(tmp_path / "c")
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [10]
+    for step in (11, 12):
+        assert abs(eager[step] - reference[step]) <= 1e-4, (step, eager[step], reference[step])
+
+
 def test_metrics_records_and_the_progress_line(tmp_path, demo_data, capfd):
     """metrics.jsonl holds one record per step with the documented fields, and rank 0 prints the HyperPod-like
     progress line every `log_interval` steps (the workers write to this process's stdout)."""

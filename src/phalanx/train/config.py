@@ -151,6 +151,8 @@ class TrainConfig(_Strict):
     seed: int = 1234
     precision: Literal["bf16", "fp32"] = "bf16"
     reshard_after_forward: bool = True
+    compile: bool = Field(False, description="torch.compile each transformer block in place (as torchtitan does; "
+                          "checkpoint names unchanged): faster steps on a GPU after a compile of tens of seconds")
     pg_timeout_s: float = Field(300.0, gt=0)
     model: ModelSection = ModelSection()
     parallel: ParallelSection = ParallelSection()

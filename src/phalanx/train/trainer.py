@@ -146,7 +146,8 @@ class Trainer:
             model = Transformer(self.model_config)
         ac = self.config.activation_checkpointing
         return parallelize(model, self.mesh, precision=self.config.precision,
-                           reshard_after_forward=self.config.reshard_after_forward, ac_mode=ac.mode, ac_every=ac.every)
+                           reshard_after_forward=self.config.reshard_after_forward, ac_mode=ac.mode, ac_every=ac.every,
+                           compile=self.config.compile)
 
     def initialize_weights(self) -> None:
         """Fill this rank's shards: from the Hugging Face checkpoint in `model.hf_path`, else the seeded init."""
