@@ -48,6 +48,18 @@ def test_degrees_that_do_not_tile_the_world(tmp_path, demo_data):
     assert code == 2 and "dp_replicate=3" in out and "world size 4" in out
 
 
+def test_more_workers_than_gpus_is_refused_before_anything_starts(tmp_path, demo_data, monkeypatch):
+    """On a machine with GPUs each worker takes its own (cuda:LOCAL_RANK); more workers than GPUs would fail inside
+    the workers (an invalid device, or NCCL refusing two ranks on one GPU). CI has no GPU: the count is faked."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, out = invoke(write_config(tmp_path, demo_data), "--nproc", 2)
+    assert code == 2 and "--nproc=2 but this machine shows 1 GPU" in out and "CUDA_VISIBLE_DEVICES=" in out, out
+    assert not (tmp_path / "run").exists(), "nothing may start"
+
+
 def test_tokenizer_vocab_larger_than_model(tmp_path, demo_data):
     code, out = invoke(write_config(tmp_path, demo_data), "model.overrides={vocab_size: 100}")
     assert code == 2 and "100" in out and "vocab" in out.lower()

@@ -290,7 +290,8 @@ def test_refused_submits_start_nothing_and_a_torch_distributed_command_runs(tmp_
     script = ("import os, torch, torch.distributed as d; d.init_process_group('gloo'); r = d.get_rank(); "
               "t = torch.tensor([r + 1.0]); d.all_reduce(t); "
               "print(f\"rank {r}/{d.get_world_size()} sum {t.item()} port {os.environ['MASTER_PORT']} "
-              "gen {os.environ['PHALANX_GENERATION']} local {os.environ['LOCAL_RANK']}\"); d.destroy_process_group()")
+              "gen {os.environ['PHALANX_GENERATION']} local {os.environ['LOCAL_RANK']} "
+              "cuda {os.environ.get('CUDA_VISIBLE_DEVICES')!r}\"); d.destroy_process_group()")
     code, out = cli("job", "submit", "--nodes", 2, "--name", "allreduce", "--", PY, "-c", script)
     assert code == 0 and "submitted job 1 (allreduce)" in flat(out), out
     info = jobs.wait("allreduce", timeout_s=60)
@@ -299,7 +300,8 @@ def test_refused_submits_start_nothing_and_a_torch_distributed_command_runs(tmp_
     code, out = cli("job", "logs", 1)
     assert code == 0
     for rank in (0, 1):
-        assert f"[rank {rank}] rank {rank}/2 sum 3.0 port {port} gen 1 local 0" in out, out
+        # a CPU instance type (local.cpu-1): its workers see no GPU, even on a machine that has one
+        assert f"[rank {rank}] rank {rank}/2 sum 3.0 port {port} gen 1 local 0 cuda ''" in out, out
     code, one = cli("job", "logs", 1, "--rank", 1)
     assert "rank 1/2 sum 3.0" in one and "rank 0/2" not in one and "rank 1 exited with code 0" in one
     code, listed = cli("job", "list", "--json")

@@ -32,6 +32,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_local_gpus(nproc: int) -> None:
+    """On a machine with GPUs each local worker takes cuda:LOCAL_RANK: more workers than GPUs would fail inside
+    the workers (an invalid device, or NCCL refusing two ranks on one GPU). Raises ConfigError."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and nproc > gpus:
+        raise ConfigError(f"--nproc={nproc} but this machine shows {gpus} GPU{'s' if gpus > 1 else ''}: a worker "
+                          f"per GPU; use --nproc {gpus} or fewer, or train on the CPU with CUDA_VISIBLE_DEVICES=")
+
+
 def preflight(config: TrainConfig, nproc: int) -> None:
     """Every check that needs no process group. Raises ConfigError / DataError / ParallelConfigError."""
     from phalanx.data import TokenDataset
@@ -69,6 +80,7 @@ def worker_env(rank: int, nproc: int, port: int, config_path: Path, threads: int
 def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = None) -> int:
     """Run the job to completion on `nproc` local processes. Returns the job's exit code."""
     preflight(config, nproc)
+    check_local_gpus(nproc)
     run_dir = Path(config.run_dir)
     config_path = run_dir / "config.json"
     try:

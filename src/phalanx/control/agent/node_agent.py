@@ -100,6 +100,8 @@ class Agent:
         self.exit_reason = ""
         self._lifecycle_proc: subprocess.Popen | None = None
         self._gpus = health.GpuMonitor(int(cfg["gpus"]), cfg["instance_type"])
+        if int(cfg["gpus"]) == 0:  # a CPU instance type: its workers train on the CPU (gloo) even where the machine
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # has a GPU, which a local cluster's nodes would otherwise share
         self.deep = DeepCheckRunner(self.work_dir)
         self.wake = threading.Event()  # heartbeat now (a worker exited, or the agent is stopping)
         self.template = WorkerTemplate(self.name, self.work_dir) if cfg.get("worker_template", True) else None
