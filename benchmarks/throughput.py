@@ -61,7 +61,9 @@ LOADER_BATCH, LOADER_BLOCK, LOADER_VOCAB = 64, 2048, 32000
 # ---- B: the plain FSDP2 loop (runs in its own worker processes) -------------------------------
 class PlainLoop:
     """The baseline's model, optimizer, schedule and data, on the default process group: plain
-    torch.distributed + fully_shard, no Phalanx trainer code. `step()` runs one step and returns its seconds."""
+    torch.distributed + fully_shard, no Phalanx trainer code. `step()` runs one step and returns its seconds.
+    `spec` may name a "device" (default cpu; a GPU step ends with a synchronize) and a "precision" ("fp32", the
+    default, or "bf16": bf16 compute, fp32 master weights and reduction, as the trainer's policy)."""
 
     def __init__(self, spec: dict):
         import torch
@@ -74,15 +76,17 @@ class PlainLoop:
 
         self.torch, self.dist = torch, dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        mesh = init_device_mesh("cpu", (self.world,), mesh_dim_names=("dp_shard",))
+        self.device = torch.device(spec.get("device", "cpu"))
+        mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp_shard",))
         with torch.device("meta"):
             model = Transformer(get_preset(spec["preset"]))
-        policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        compute = torch.bfloat16 if spec.get("precision", "fp32") == "bf16" else torch.float32
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         layers = model.model.layers
         for i, block in enumerate(layers):  # torchtitan's default: keep the last block unsharded
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-        model.to_empty(device="cpu")
+        model.to_empty(device=self.device)
         torch.manual_seed(spec["seed"] + self.rank)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -121,9 +125,9 @@ class PlainLoop:
         start = time.perf_counter()
         global_batch = self.rng.integers(0, len(self.dataset), size=self.gb)
         local = global_batch[self.rank * self.local_bs : (self.rank + 1) * self.local_bs]
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=self.device)
         for indices in np.split(local, self.accum):
-            tokens = self.dataset.get_batch(indices)
+            tokens = self.dataset.get_batch(indices).to(self.device, non_blocking=True)
             loss, _ = self.model(tokens, tokens)
             (loss / self.accum).backward()
             loss_sum += loss.detach()
@@ -135,6 +139,8 @@ class PlainLoop:
         loss_mean = loss_sum / self.accum
         dist.all_reduce(loss_mean)
         loss_mean /= self.world
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         loss_mean.item(), float(grad_norm)
         return seconds
