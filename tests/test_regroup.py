@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -195,6 +196,66 @@ def test_a_rank_blocked_inside_a_step_or_its_save_exits_once_a_newer_generation_
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == protocol.EXIT_STUCK and out == "", (proc.returncode, out, err[-2000:])
     assert "still training generation 1" in err and "in a collective" in err, err[-2000:]
+
+
+CUT_PEER_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+
+    rank, store_port, pg_port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    pg_store = dist.TCPStore("127.0.0.1", pg_port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=pg_store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    dist.all_reduce(torch.ones(4))
+    if rank == 0:  # the peer on node n0: its host is about to die without a word (the test stops it)
+        print("ready", flush=True)
+        time.sleep(600)
+    from phalanx.resilience.membership import Membership
+
+    m = Membership(f"127.0.0.1:{store_port}", "7", "n1", 0, token="tok", stuck_grace_s=60.0)
+    m.forming(1)
+    m.watch(1)
+    m.on_step_start(None, 1)
+    print("waiting", flush=True)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))  # blocks: the peer is gone
+        print("returned", flush=True)
+    except RuntimeError as err:
+        print(f"raised after {time.monotonic() - start:.1f} s: {err}".splitlines()[0], flush=True)
+    print(f"the store still answers: generation {m.latest()}", flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_rank_inside_a_step_cuts_its_peers_connections_when_a_fault_took_a_node_of_its_generation():
+    """A host that dies whole (power, link) closes no connection: a survivor's collective with it would wait out
+    the group's timeout, and the survivor would exit (EXIT_STUCK) and lose its state. When the controller
+    publishes the next generation without that node, the watch thread cuts this process's connections to the
+    generation's peers: the collective fails at once as a peer fault, the process lives on with its state, and
+    its connection to the controller's store is kept."""
+    port, pg_port = _free_port(), _free_port()
+    server = protocol.namespaced(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), "tok")
+    pg_server = dist.TCPStore("127.0.0.1", pg_port, is_master=True, wait_for_workers=False)  # noqa: F841
+    protocol.publish_generation(server, "7", 1, ["n0", "n1"], 1)
+    env = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "GLOO_SOCKET_IFNAME": "lo"}
+    peer, subject = (subprocess.Popen([sys.executable, "-c", CUT_PEER_SCRIPT, str(r), str(port), str(pg_port)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                     for r in (0, 1))
+    try:
+        assert peer.stdout.readline() == "ready\n"
+        assert subject.stdout.readline() == "waiting\n"
+        peer.send_signal(signal.SIGSTOP)  # its sockets stay open and silent
+        protocol.publish_generation(server, "7", 2, ["n2", "n1"], 1)  # n0 replaced after a fault
+        out, err = subject.communicate(timeout=60)
+    finally:
+        peer.kill()
+        peer.wait()
+    assert subject.returncode == 0, (subject.returncode, out, err[-2000:])
+    raised, store = out.splitlines()
+    assert raised.startswith("raised after ") and float(raised.split()[2]) < 10, (out, err[-2000:])
+    assert store == "the store still answers: generation 2", out
+    assert "generation 1 lost n0 to a fault mid-step: cut" in err, err[-2000:]
 
 
 def test_the_stuck_grace_is_the_jobs_setting(tmp_path, demo_data):

@@ -2,39 +2,34 @@
 store its process groups rendezvous on.
 
 The controller publishes each generation's layout and then its number (`protocol.publish_generation`). A
-worker finds its rank in a layout from its node and local rank, so a survivor keeps its place and a
-replacement takes the failed one's. Process groups rendezvous on `PrefixStore(protocol.pg_prefix(job, g))` of
-that store — it lives in the controller, so it outlives any rank (rank 0 included). Every key goes through
-`protocol.connect_store`, under the namespace derived from the cluster token (PHALANX_CLUSTER_TOKEN).
-
-`arrive()` counts this rank in and waits until every rank of the generation has arrived before
-`init_process_group` (which would otherwise block, uninterruptibly, on a rank that will never come); a
-newer generation published meanwhile interrupts the wait. `watch()` runs a thread that notices a newer
-generation while this one trains (a node failed a health check, its workers still alive): the training
-loop checks `superseded` between steps.
+worker finds its rank in a layout from its node and local rank, so a survivor keeps its place and a replacement
+takes the failed one's. Process groups rendezvous on `PrefixStore(protocol.pg_prefix(job, g))` of that store,
+which lives in the controller and outlives any rank; every key goes through `protocol.connect_store`, under the
+namespace derived from the cluster token. `arrive()` counts this rank in and waits until every rank of the
+generation has arrived before `init_process_group` (which would block, uninterruptibly, on a rank that never
+comes); a newer generation interrupts the wait. `watch()` runs a thread that notices a newer generation while
+this one trains (a node failed a health check, its workers alive): the loop checks `superseded` between steps.
 
 `RegroupStore` wraps the generation's PrefixStore: every wait bounded, and abandoned when a newer generation is
-published. `init_process_group` and every `new_group` after it (the device mesh's groups) block in C++ until
-each peer has written its address to the store. A peer that dies after arriving never writes it, and a plain
-TCPStore client then blocks for the whole process-group timeout (minutes) — long after the controller has
-published the next generation and the other survivors have moved on, which then wait for this rank in vain.
-Here torch calls back into Python for every store operation (a `dist.Store` subclass), and a wait polls the
-real store instead of blocking on it: between polls it asks whether a newer generation exists (then it
-raises `Superseded`, which unwinds the group creation so the rank can leave and join the newer one) and
-whether `timeout_s` has passed (then `TimeoutError`).
+published. `init_process_group` and every `new_group` after it block in C++ until each peer has written its
+address to the store; a peer that dies after arriving never writes it, and a plain TCPStore client would block
+for the whole process-group timeout (minutes) while the other survivors, gone on to the next generation, wait
+for this rank in vain. Here torch calls back into Python for every store operation (a `dist.Store` subclass),
+and a wait polls the real store: between polls it raises `Superseded` when a newer generation exists (which
+unwinds the group creation) and `TimeoutError` once `timeout_s` has passed.
 
-The same thread guards the forming of a generation (`forming()` … `watch()`): every store wait there gives
-way to a newer generation, but not every wait is a store wait. Gloo connecting to a peer that died after
-writing its address blocks in C++ for the group's timeout (minutes); the peers, gone on to the next
-generation, would wait for this rank in vain. A rank still forming its generation `stuck_grace_s` after a
-newer one appeared logs where it is stuck and exits with `protocol.EXIT_STUCK`: the controller gives its rank
-to a fresh process, as for a killed one. Likewise a rank told to leave the generation it trains while it is
-busy between two step boundaries (from the trainer's `on_step_start` — Membership is one of its callbacks —
-to the run loop's `at_boundary()`: the step, and the checkpoint save or buddy snapshot after it) that does not
-reach the boundary within max(`stuck_grace_s`, 3 × its longest recent step-to-boundary): it is blocked in a
-collective with a peer that stopped without dying (a frozen host keeps its sockets open; gloo would wait out
-the group's timeout, minutes). Before the first step a newer generation is only news: the rank leaves at its
-first step boundary, however long that takes.
+The same thread guards the forming of a generation (`forming()` … `watch()`), where not every wait is a store
+wait: gloo connecting to a peer that died after writing its address blocks in C++ for the group's timeout. A
+rank still forming its generation `stuck_grace_s` after a newer one appeared logs where it is stuck and exits
+with `protocol.EXIT_STUCK`: the controller gives its rank to a fresh process, as for a killed one. Likewise a
+rank told to leave the generation it trains while it is between two step boundaries (from the trainer's
+`on_step_start` — Membership is one of its callbacks — to the run loop's `at_boundary()`: the step, and the
+checkpoint save or buddy snapshot after it) that does not reach the boundary within max(`stuck_grace_s`, 3 ×
+its longest recent step-to-boundary): it is blocked in a collective with a peer that stopped without dying (a
+frozen host keeps its sockets open). When the newer generation lost a node of this one to a fault, the thread
+first cuts (after `CUT_GRACE_S`) this process's connections to the generation's peers (`sockets.py`): a
+collective waiting on a host that died without closing them fails at once, and the rank leaves with its state.
+Before the first step a newer generation is only news: the rank leaves at its first step boundary.
 
 Knows nothing about models or training state; `RegroupStore`'s generation check is a callable.
 """
@@ -56,12 +51,14 @@ from typing import Callable
 import torch.distributed as dist
 
 from phalanx import protocol
+from phalanx.resilience.sockets import cut_connections
 
 log = logging.getLogger("phalanx.membership")
 POLL_S = 0.01
 STORE_POLL_S = 0.002  # a RegroupStore wait's poll: one round trip to the controller's store (~0.1 ms on loopback)
 NEWER_EVERY_S = 0.05  # how often a waiting rank asks whether a newer generation exists
 STUCK_GRACE_S = 10.0  # the default of `resilience.stuck_grace_s`
+CUT_GRACE_S = 1.0  # a newer generation lost a node of this one: cut the peers' connections this long after
 
 
 class Superseded(RuntimeError):
@@ -109,6 +106,7 @@ class Membership:
         self._superseded_at: float | None = None  # when the generation this rank trains was superseded
         self._step_s = 0.0  # the longest recent step-to-boundary (decaying): how long the one in flight may take
         self._step_started: float | None = None  # the step in flight began (monotonic), None at a boundary
+        self._lost: set[str] | None = None  # nodes of this generation the newer one lost to a fault (None: cut)
         self._watch_lock = threading.Lock()
 
     @classmethod
@@ -268,24 +266,37 @@ class Membership:
             if current >= 0 and newest > current and not self.superseded.is_set():
                 log.warning("generation %d published while generation %d trains; next: leave it at the next step "
                             "boundary and regroup", newest, current)
+                lost = self._lost_nodes(store, current, newest)
                 with self._watch_lock:
-                    self._superseded_at = time.monotonic()
+                    self._superseded_at, self._lost = time.monotonic(), lost
                 self.superseded.set()
             with self._watch_lock:
                 self._check_training(newest)
             time.sleep(0.05)
 
     def _check_training(self, newest: int) -> None:
-        """(Under the lock.) Exit if this rank was told to leave the generation it trains, is between two step
-        boundaries, and has not reached the next within max(stuck_grace_s, 3 × its longest recent one)."""
-        if self._superseded_at is None or self._watching < 0 or self._step_started is None or not self._step_s:
+        """(Under the lock.) Superseded inside a step: cut the peers' connections if a fault took a node of this
+        generation; exit if past its first step and still inside max(stuck_grace_s, 3 × its longest recent one)."""
+        if self._superseded_at is None or self._watching < 0 or self._step_started is None:
             return
         waited, grace = time.monotonic() - self._superseded_at, max(self.stuck_grace_s, 3 * self._step_s)
-        if waited < grace:
+        if self._lost and waited >= CUT_GRACE_S:
+            lost, self._lost, cut = self._lost, None, cut_connections(keep=(self.host, self.port))
+            log.warning("generation %d lost %s to a fault mid-step: cut %d connections to its peers; next: the step "
+                        "fails, this rank leaves with its state", self._watching, ", ".join(sorted(lost)), cut)
+        if not self._step_s or waited < grace:
             return
         self._exit_stuck(f"still training generation {self._watching} {waited:.0f} s after generation {newest} was "
                          f"published (a step and what follows it take up to {self._step_s:.1f} s): the main thread "
                          f"is blocked in a collective with a peer that stopped without dying (a frozen host?)")
+
+    def _lost_nodes(self, store, current: int, newest: int) -> set[str]:
+        """Nodes of generation `current` that `newest` dropped after a fault (none after a resize)."""
+        try:
+            old, new = (json.loads(store.get(protocol.layout_key(self.job_id, g))) for g in (current, newest))
+        except (RuntimeError, OSError, ValueError):
+            return set()
+        return set(old["nodes"]) - set(new["nodes"]) if new.get("cause", "fault") == "fault" else set()
 
     def _exit_stuck(self, what: str) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)
@@ -323,9 +334,8 @@ class RegroupStore(dist.Store):
         self.timeout_s = timeout_s
         self.abandoned_for: int | None = None  # the newer generation that ended a wait, once one did
 
-    # torch's ProcessGroup constructors call set_timeout with the collective timeout; the waits here keep
-    # the regroup's own bound instead (a collective's timeout says nothing about how long peers may take
-    # to arrive)
+    # torch's ProcessGroup constructors call set_timeout with the collective timeout; the waits here keep the
+    # regroup's own bound instead (a collective's timeout says nothing about how long peers may take to arrive)
     def set_timeout(self, timeout: timedelta) -> None:
         pass
 
