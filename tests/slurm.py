@@ -1,6 +1,14 @@
-"""A real Slurm on this machine for the Slurm tests: slurmctld and one slurmd per emulated node (n1..nN, each
-on its own port, all on 127.0.0.1), munge for authentication, every config and state file in one directory.
-Follows ../shared/notes/slurm-local.md (Debian 12, Slurm 22.05, as root).
+"""A real Slurm on this machine for the Slurm tests: slurmctld and one slurmd per emulated node (n1..nN), munge
+for authentication, every config and state file in one directory. Follows ../shared/notes/slurm-local.md
+(Debian 12, Slurm 22.05, as root).
+
+Two ways to lay the nodes out:
+- `LocalSlurm(root)`: every slurmd on 127.0.0.1, each on its own port.
+- `LocalSlurm(root, hosts=Hosts(4).up())` (tests/netns.py): node nI's slurmd runs in network namespace hI with
+  that host's own address (198.18.0.1I, the same port on every host), slurmctld in this namespace on the bridge
+  (198.18.0.1). Everything a node starts (step daemons, batch scripts, agents, workers) lives in its namespace,
+  and `kill_node` takes the host's link down before it kills them: no dying socket tells anyone (no FIN or RST
+  reaches a peer), as when a real host dies.
 
     slurm = LocalSlurm(tmp_path / "slurm", nodes=4); slurm.start()   # ready: every node idle
     slurm.env                 # SLURM_CONF for the clients (sbatch, squeue, scontrol) and for Phalanx
@@ -25,9 +33,14 @@ DAEMONS = ("slurmctld", "slurmd", "sbatch", "munged")
 
 
 class LocalSlurm:
-    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2, port_base: int | None = None):
+    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2, port_base: int | None = None, hosts=None):
         self.root = Path(root).resolve()  # daemons chdir to /: every path they get is absolute
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
+        self.hosts = hosts  # netns.Hosts (node nI on host hI), or None: every node on 127.0.0.1
+        if hosts is not None and hosts.count < nodes:
+            raise ValueError(f"{nodes} Slurm nodes need {nodes} hosts; got {hosts.count}")
+        # this namespace's address, where slurmctld listens and the nodes reach it (and a controller started here)
+        self.here = "127.0.0.1" if hosts is None else f"{hosts.address('h1').rsplit('.', 1)[0]}.1"
         self.cpus = cpus
         base = port_base or 6900 + (os.getpid() % 500) * 10
         self.ctld_port, self.node_port = base, base + 1
@@ -51,8 +64,15 @@ class LocalSlurm:
                                                "CgroupAutomount=no\n")
         host, r = socket.gethostname(), self.root
         last = self.node_port + len(self.nodes) - 1
+        if self.hosts is None:
+            nodes = (f"NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 "
+                     f"Port=[{self.node_port}-{last}] CPUs={self.cpus} RealMemory=4000 State=UNKNOWN")
+        else:  # one host each: its own address, the same port
+            nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr={self.hosts.address(self._host(n))} "
+                              f"Port={self.node_port} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN"
+                              for n in self.nodes)
         self.conf.write_text(f"""ClusterName=phxtest
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({self.here})
 SlurmctldPort={self.ctld_port}
 AuthType=auth/munge
 SlurmUser=root
@@ -78,7 +98,7 @@ KillWait=5
 MinJobAge=30
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{self.node_port}-{last}] CPUs={self.cpus} RealMemory=4000 State=UNKNOWN
+{nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
 
@@ -104,7 +124,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             self.started_munge = True
         self.run("slurmctld", "-f", str(self.conf))
         for n in self.nodes:
-            self.run("slurmd", "-f", str(self.conf), "-N", n)
+            self._start_slurmd(n)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             states = self.node_states()
@@ -113,6 +133,13 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             time.sleep(0.3)
         raise RuntimeError(f"Slurm did not come up within {timeout:.0f} s: node states {self.node_states()}; "
                            f"slurmctld log tail:\n{self.log_tail('slurmctld')}")
+
+    def _host(self, node: str) -> str:
+        return f"h{node[1:]}"
+
+    def _start_slurmd(self, node: str) -> None:
+        where = [] if self.hosts is None else ["ip", "netns", "exec", self.hosts.hosts[self._host(node)]]
+        self.run(*where, "slurmd", "-f", str(self.conf), "-N", node)
 
     def node_states(self) -> dict[str, str]:
         done = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
@@ -171,6 +198,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 
         slurmd, stepds = self._pid(f"slurmd-{node}"), self.stepds(node)
         host = {*stepds, *([slurmd] if slurmd else [])}
+        if self.hosts is not None:  # the link first: nothing the dying processes send reaches anyone
+            self.hosts.cut(self._host(node))
+            host |= set(self.hosts.pids(self._host(node)))
         stopped: set[int] = set()
         # every process found before any is stopped; then again until none forked in between
         while new := {*host, *(kid for stepd in stepds for kid in descendants(stepd))} - stopped:
@@ -188,9 +218,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         """Between tests: every job cancelled, every slurmd running, every node resumed and idle."""
         self.run("scancel", "--full", "--user", "root", check=False, timeout=10)
         for n in self.nodes:
+            if self.hosts is not None:
+                self.hosts.mend(self._host(n))
             pid = self._pid(f"slurmd-{n}")
             if not (pid and _alive(pid)):
-                self.run("slurmd", "-f", str(self.conf), "-N", n)
+                self._start_slurmd(n)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             states = self.node_states()

@@ -1,10 +1,13 @@
 """The Slurm backend on a real Slurm (tests/slurm.py: slurmctld and four slurmd, n1..n4, on this machine, munge
-for authentication; Debian's slurm-wlm). `backend: slurm` asks Slurm for one allocation of members + spares,
+for authentication; Debian's slurm-wlm). Each slurmd runs in a network namespace of its own (tests/netns.py:
+host hI, address 198.18.0.1I), so every node's agent, workers, batch script and step daemons live on a host
+with its own address, and a host's death takes its link down before its processes die. `backend: slurm` asks Slurm for one allocation of members + spares,
 whose `srun` step starts an agent on every node; the agents join the cluster; Phalanx does the rest.
 
 Drills, end to end with real processes:
-- a node's slurmd and agent (and its workers) are killed mid-training: the checkpointless job carries on on the
-  spare with the same loss at every step as a run without faults; the dead node is drained with the fault as
+- a node's host dies mid-training (its link down, then its slurmd, agent and workers killed): the checkpointless
+  job carries on on the spare with the same loss at every step as a run without faults, the survivor's state
+  carried in its memory (it cuts its connections to the dead host once the next generation is out); the dead node is drained with the fault as
   Slurm's reason; a one-node job refills the spare pool on the free node.
 - an operator drains a node a restart job trains on: Phalanx replaces it (fault `scheduler`), the job resumes
   from its checkpoint on the spare, and the operator's reason stays as it was.
@@ -33,6 +36,7 @@ from clusters import home, keep_for_debugging, wait_for  # noqa: F401  (home is 
 from phalanx.control.client.cluster import ClusterClient, ClusterRefused, CreateFailed, create_cluster, delete_cluster
 from phalanx.control.client.jobs import JobClient
 from phalanx.control.state.paths import ClusterPaths, list_clusters
+from netns import Hosts
 from slurm import LocalSlurm
 from test_checkpointless import assert_same_losses, records
 from test_hosts import STEPS, config_for, reference  # noqa: F401  (reference is a fixture)
@@ -43,13 +47,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def slurm_daemons(tmp_path_factory):
-    why = LocalSlurm.available()
+    why = LocalSlurm.available() or Hosts.available()
     if why:
-        pytest.fail(f"the Slurm tests need a real Slurm: {why} (`make test` installs it when run as root)")
-    s = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=4)
-    s.start()
-    yield s
-    s.stop()
+        pytest.fail(f"the Slurm tests need a real Slurm on network namespaces: {why} (`make test` installs it "
+                    "when run as root)")
+    hosts = Hosts(4, tag=f"s{os.getpid() % 10000}").up()
+    s = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=4, hosts=hosts)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        hosts.close()
 
 
 @pytest.fixture
@@ -57,6 +66,9 @@ def slurm(slurm_daemons, home, monkeypatch):
     """The module's Slurm, every node idle; SLURM_CONF set for Phalanx. Afterwards: every cluster deleted,
     every job cancelled, every node back in service."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_daemons.conf))
+    monkeypatch.setenv("PHALANX_TEST_API_HOST", slurm_daemons.here)  # `create` puts it in the spec
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # conftest's "lo": each host's agent finds its own
+        monkeypatch.delenv(name, raising=False)  # interface (the one that reaches the controller)
     yield slurm_daemons
     tracebacks = [f"{name}: {log[-3000:]}" for name in list_clusters()
                   if "Traceback" in (log := ClusterPaths.for_name(name).controller_log.read_text())]
@@ -74,9 +86,10 @@ def slurm(slurm_daemons, home, monkeypatch):
 
 
 def create(tmp_path: Path, name: str = "c1", *, count: int = 2, spares: int = 1, **slurm_settings) -> ClusterClient:
+    """A cluster whose controller runs here, listening where the nodes' hosts reach it (`LocalSlurm.here`)."""
     spec = tmp_path / f"{name}.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": name, "backend": "slurm",
+        "name": name, "backend": "slurm", "api": {"host": os.environ["PHALANX_TEST_API_HOST"]},
         "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares}],
         "health": {"heartbeat_timeout_s": 4.0, "hang_timeout_s": 60.0},
         "slurm": {"work_root": str(tmp_path / "agents"), **slurm_settings}}))
@@ -104,8 +117,8 @@ def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(t
                 auto_resume=True, name="cl")
     step_at_least(jobs, "cl", 12, timeout=120)
     first = jobs.describe("cl")["generations"][0]["nodes"]
-    # a member that is not the allocation's batch host: Slurm may end every agent's step when that host dies
-    # (README, "Running on Slurm"); inside `cluster up` its death is the requeue's case, tested below
+    # a member that is not the allocation's batch host (inside `cluster up` that host's death is the requeue's
+    # case, tested below)
     batch_host = slurm.run("squeue", "-h", "-j", alloc["id"], "-o", "%B").stdout.strip()
     victim = next(n for n in first if places[n][1] != batch_host)
     # squeue stays truthful: the allocation's comment names the Phalanx job each of its nodes runs
@@ -120,7 +133,9 @@ def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(t
     gen1, gen2 = info["generations"]
     survivor = next(n for n in gen1["nodes"] if n != victim)
     assert gen1["outcome"] == "node-fault" and survivor in gen2["nodes"] and victim not in gen2["nodes"], info
-    assert_same_losses(run_dir, reference, "a Slurm node killed")
+    events = assert_same_losses(run_dir, reference, "a Slurm node killed")
+    restored = next(e for e in events if e["event"] == "state_restored")
+    assert restored["source"] == "peer-memory", restored  # the survivor carried its state: no checkpoint read
     # the dead node goes back to Slurm drained, the fault as its reason
     wait_for(lambda: "drain" in slurm.node_states()[host], 30, f"Slurm node {host} to be drained")
     assert slurm.node_reason(host).startswith("phalanx: heartbeat-timeout"), slurm.node_reason(host)
