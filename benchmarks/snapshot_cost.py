@@ -16,6 +16,15 @@ recipe, fp32, FSDP over 4 ranks, gloo on CPU, 4 processes on this machine):
 Medians over `--iterations` snapshots per rank; rank 0's figures (the others are printed). Runs on any
 version of `phalanx.resilience` (so a before/after pair is `PYTHONPATH=<tree>/src` on two trees).
 
+Interleaved (`--blocks N`, after the pieces): what a user sees, without the drift between runs that swamps it on
+2 shared cores (separate runs with and without snapshots differ by ±5–8 %, `benchmarks/recovery.py
+--overhead-runs`). In the same 4 processes the trainer's whole step (`advance()`) runs in blocks of
+`--block-steps`, alternately with `BuddySnapshots.after_step()` (the production class: capture, then the
+exchange thread) and without, the order flipping each pair (on off, off on, ...); an "on" block ends by waiting
+for its last exchange, so no cost spills into the next block. For each interval in `--intervals`:
+  interleaved_ratio_every_K   median over block pairs of (off block seconds ÷ on block seconds): the tokens/s
+                              with a snapshot every K steps as a fraction of the tokens/s without
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/snapshot_cost.py
 """
 
@@ -36,7 +45,30 @@ from report import RESULTS_DIR, median, write_results  # noqa: E402
 WORLD = 4
 
 
-def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, out_dir: str) -> None:
+def _interleaved(trainer, blocks: int, block_steps: int, intervals: list[int]) -> dict:
+    """Per interval, the seconds of each block with and without buddy snapshots (see the module docstring)."""
+    from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
+
+    out = {}
+    for interval in intervals:
+        snapshots = BuddySnapshots(trainer, SnapshotShelf(), interval=interval, workers_per_node=1)
+        seconds: dict[str, list[float]] = {"on": [], "off": []}
+        for pair in range(blocks):
+            for mode in (("on", "off") if pair % 2 == 0 else ("off", "on")):
+                start = time.perf_counter()
+                for _ in range(block_steps):
+                    trainer.advance()
+                    if mode == "on":
+                        snapshots.after_step()
+                snapshots.wait()
+                seconds[mode].append(time.perf_counter() - start)
+        snapshots.release()
+        out[f"every_{interval}"] = seconds
+    return out
+
+
+def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, out_dir: str,
+               blocks: int = 0, block_steps: int = 10, intervals: tuple = (1, 10)) -> None:
     import json
     from datetime import timedelta
 
@@ -100,6 +132,10 @@ def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, o
     result["bytes"] = state.nbytes
     result["tensors"] = len(state.entries)
     result["module"] = str(Path(restore.__file__).resolve())
+    if blocks:
+        for _ in range(block_steps):  # warm-up: the trainer's first steps since the pieces above
+            trainer.advance()
+        result["interleaved"] = _interleaved(trainer, blocks, block_steps, list(intervals))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     os._exit(0)  # skip interpreter teardown (gloo's destructors)
@@ -112,6 +148,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--blocks", type=int, default=0, help="interleaved block pairs per interval (0: none)")
+    parser.add_argument("--block-steps", type=int, default=10)
+    parser.add_argument("--intervals", default="1,10", help="snapshot intervals the interleaved blocks measure")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "snapshot_cost.json")
     args = parser.parse_args()
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -123,20 +162,29 @@ def main() -> None:
         port = s.getsockname()[1]
     out_dir = root / "out"
     out_dir.mkdir()
-    mp.spawn(_rank_main, args=(port, str(root / "tokens"), str(root / "run"), args.iterations, str(out_dir)),
-             nprocs=WORLD, join=True)
+    intervals = tuple(int(k) for k in args.intervals.split(","))
+    mp.spawn(_rank_main, args=(port, str(root / "tokens"), str(root / "run"), args.iterations, str(out_dir),
+                               args.blocks, args.block_steps, intervals), nprocs=WORLD, join=True)
     import json
 
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r, res in enumerate(ranks):
         print(f"rank {r}: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                         for k, v in res.items() if k != "module"))
+                                         for k, v in res.items() if k not in ("module", "interleaved")))
     summary = {k: round(v, 4) for k, v in ranks[0].items() if isinstance(v, float)}
+    for name, seconds in ranks[0].get("interleaved", {}).items():
+        pairs = [off / on for on, off in zip(seconds["on"], seconds["off"])]
+        summary[f"interleaved_ratio_{name}"] = round(median(pairs), 4)
+        summary[f"interleaved_total_ratio_{name}"] = round(sum(seconds["off"]) / sum(seconds["on"]), 4)
+        print(f"snapshot {name.replace('_', ' ')}: tokens/s with ÷ without {median(pairs):.4f} "
+              f"(median of {len(pairs)} block pairs, {min(pairs):.3f}–{max(pairs):.3f}; totals "
+              f"{summary[f'interleaved_total_ratio_{name}']:.4f})")
     path = write_results(args.out, {
         "benchmark": "snapshot_cost",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/snapshot_cost.py " + " ".join(sys.argv[1:]),
         "config": {"world": WORLD, "layout": "FSDP over 4 ranks", "model": "tiny, vocab 512, fp32",
-                   "iterations": args.iterations, "module": ranks[0]["module"]},
+                   "iterations": args.iterations, "module": ranks[0]["module"], "blocks": args.blocks,
+                   "block_steps": args.block_steps, "intervals": list(intervals)},
         "ranks": ranks, "summary": summary,
     })
     print(f"summary: {summary}\nwrote {path}")
