@@ -79,6 +79,9 @@ def test_the_steps_a_recovery_may_redo_follow_from_the_ranks_lost():
     slow = Trial(1, "slow-rank", "forward", "checkpointless", rank=1, step=5)
     assert slow.lost_ranks == set() and slow.expected_generations() == (1, 1)
     assert Trial(1, "kill-worker", "regroup", "restart", rank=1, step=5, first=2).expected_generations() == (3, None)
+    # a controller restarted mid-regroup: a stranded generation, and a rank stuck in its group creation may follow
+    assert Trial(7, "controller-restart", "regroup", "checkpointless", rank=1, step=8,
+                 first=3).expected_generations() == (2, 4)
 
 
 # ---- the invariants, each fed a story it must reject ----------------------------------------------------------
