@@ -22,6 +22,8 @@ micro-batches of `--micro-batch`, no activation checkpointing, AdamW. The tokens
                  step_ratio_every_N  median step seconds without snapshots ÷ with `ShardState.capture(trainer,
                                      stream=side)` after every Nth step, the next update waiting on the copy's event
                                      as `BuddySnapshots` arranges (blocks of steps alternate with and without).
+                 mean_ratio_every_N  the same from the mean step seconds: it counts a step that had to pin a new
+                                     host buffer (the summary's `snapshot_step_ratio_every_N` is this one)
                The exchange with the buddy and the checksum run on the host in a thread and need a second GPU's
                rank: not measured here.
   compiled     (`--compile`) the same trainer with `compile: true` (each block compiled in place), timed alone
