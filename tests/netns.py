@@ -32,6 +32,7 @@ class Hosts:
         self.tag = tag or str(os.getpid() % 100000)
         self.bridge = f"phxb{self.tag}"
         self.controller_ns = f"phx{self.tag}c"
+        self.bridge_addr = f"{NET}.1"  # this (the test's) namespace, on the bridge
         self.controller_addr = f"{NET}.2"
         self.hosts = {f"h{i}": f"phx{self.tag}h{i}" for i in range(1, count + 1)}
         self.procs: list[subprocess.Popen] = []
@@ -78,7 +79,7 @@ class Hosts:
     def up(self) -> "Hosts":
         self.sweep()
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{NET}.1/24", "dev", self.bridge)
+        _ip("addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         self._add_ns(self.controller_ns, f"phx{self.tag}vc", self.controller_addr)
         for host, ns in self.hosts.items():

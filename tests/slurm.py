@@ -40,7 +40,7 @@ class LocalSlurm:
         if hosts is not None and hosts.count < nodes:
             raise ValueError(f"{nodes} Slurm nodes need {nodes} hosts; got {hosts.count}")
         # this namespace's address, where slurmctld listens and the nodes reach it (and a controller started here)
-        self.here = "127.0.0.1" if hosts is None else f"{hosts.address('h1').rsplit('.', 1)[0]}.1"
+        self.here = "127.0.0.1" if hosts is None else hosts.bridge_addr
         self.cpus = cpus
         base = port_base or 6900 + (os.getpid() % 500) * 10
         self.ctld_port, self.node_port = base, base + 1
