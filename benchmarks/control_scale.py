@@ -44,6 +44,7 @@ from report import RESULTS_DIR, write_results  # noqa: E402
 from phalanx.protocol import PROTOCOL_VERSION  # noqa: E402
 
 RESULTS = RESULTS_DIR / "control_scale.json"
+REQUEST_TIMEOUT_S = 10.0
 HEALTH = [{"name": "disk", "status": "ok", "detail": "simulated", "action": None},
           {"name": "memory", "status": "ok", "detail": "simulated", "action": None}]
 
@@ -56,6 +57,16 @@ class Conn:
         self.reader = self.writer = None
 
     async def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        """One request; a connection the controller closed, or a reply that never came within REQUEST_TIMEOUT_S (an
+        agent's own timeout), is tried again once on a new connection, as an HTTP client would."""
+        try:
+            return await asyncio.wait_for(self._request(method, path, body), REQUEST_TIMEOUT_S)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as err:
+            print(f"{method} {path}: {type(err).__name__} {err}; again on a new connection", file=sys.stderr, flush=True)
+            self.close()
+            return await asyncio.wait_for(self._request(method, path, body), REQUEST_TIMEOUT_S)
+
+    async def _request(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode() if body is not None else b""
@@ -78,6 +89,7 @@ class Conn:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        self.reader = self.writer = None
 
 
 class SimAgent:
@@ -112,7 +124,7 @@ class SimAgent:
                 "free_ports": [40000 + self.i % 20000]}
 
     async def run(self) -> None:
-        await asyncio.sleep(random.random() * self.interval)  # agents start at different moments
+        await asyncio.sleep(random.random() * self.interval)  # agents joined together send at different moments
         while not self.stopped:
             start = time.monotonic()
             if not self.silent:
@@ -189,12 +201,17 @@ async def measure(n: int, window: float, root: Path) -> dict:
     first_join = time.monotonic()
     gate = asyncio.Semaphore(64)
 
-    async def join(a: SimAgent) -> None:
-        async with gate:
-            await a.join()
+    async def join_and_run(a: SimAgent) -> None:  # like an agent: heartbeats start as soon as its join is answered
+        try:
+            async with gate:
+                await a.join()
+            await a.run()
+        except Exception as err:  # noqa: BLE001 - said, not swallowed: the cluster then never comes into service
+            print(f"simulated agent {a.i} ({a.name or 'not joined'}) stopped: {type(err).__name__}: {err}",
+                  file=sys.stderr, flush=True)
+            raise
 
-    await asyncio.gather(*(join(a) for a in agents))
-    tasks = [asyncio.create_task(a.run()) for a in agents]
+    tasks = [asyncio.create_task(join_and_run(a)) for a in agents]
     while creator.is_alive():
         await asyncio.sleep(0.1)
     if "info" not in created:

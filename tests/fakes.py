@@ -452,7 +452,7 @@ class FakeCluster:
         self.spec = spec_from_dict({"name": name, "backend": "local", "node_recovery": node_recovery,
                                     "instance_groups": [group], "health": health or {}})
         self.paths.write_token()
-        self.store = Store(self.paths.db, clock=self.clock)
+        self.store = Store(self.paths.db, clock=self.clock, owner=True)  # as the controller opens it
         self.store.initialize(self.spec)
         self.backend = FakeBackend(self.paths.root, on_signal=self._deliver)
         self.rendezvous = FakeStore()

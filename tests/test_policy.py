@@ -85,6 +85,7 @@ from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.policy.inplace import MAX_FAILED_REGROUPS
 from phalanx.control.policy.reconciler import MAX_PROVISION_FAILURES, TERMINATE_GRACE_S
 from phalanx.control.state.jobs import JobState
+from phalanx.control.state.store import NodeState, Store
 
 J = JobState
 
@@ -147,6 +148,23 @@ def test_the_fake_backend_implements_every_method_of_backend(tmp_path):
     assert [m for m in methods if not callable(getattr(FakeBackend, m, None))] == []
 
 
+def test_the_controllers_store_reads_nodes_from_memory_and_writes_every_change_to_sqlite(make):
+    c = make(count=2, spares=0)
+    c.create()
+    reader = Store(c.store.path)  # a CLI's view: straight from SQLite
+    try:
+        c.store.update_node("workers-0", last_heartbeat=123.0, health={"ok": False, "checks": []}, is_spare=0)
+        c.store.transition("workers-1", NodeState.FAULTY, "test", fault_cause="health-check")
+        for name in ("workers-0", "workers-1"):
+            assert c.store.node(name) == reader.node(name), name
+        assert c.store.nodes() == reader.nodes() and c.store.node("workers-0").is_spare is False
+        assert [n.name for n in c.store.nodes(include_terminated=False)] == ["workers-0", "workers-1"]
+        reader.execute("UPDATE nodes SET reason='written elsewhere' WHERE name='workers-0'")
+        assert c.store.node("workers-0").reason != "written elsewhere", "the owner must be the only writer: it does not re-read rows"
+    finally:
+        reader.close()
+
+
 # ---- cluster creation ---------------------------------------------------------------------------------------------
 def test_creation_brings_count_plus_spares_nodes_to_healthy_and_the_cluster_in_service(make):
     c = make(count=2, spares=1)
@@ -165,6 +183,25 @@ def test_creation_brings_count_plus_spares_nodes_to_healthy_and_the_cluster_in_s
     assert c.backend.launched() == ["workers-0", "workers-1", "workers-2"], "nothing more to provision"
     status = [e for e in c.events() if e["kind"] == "cluster" and e["to_state"] == "in-service"]
     assert len(status) == 1 and "all 3 nodes healthy" in status[0]["reason"]
+
+
+def test_an_agent_that_joins_while_its_row_is_provisioned_keeps_the_node(make):
+    """Backends whose agents join (hosts, Slurm) launch nothing: `launch` returns no handle. An agent started with
+    the cluster may claim the row between its insert and the end of `provision`; provisioning used to write the
+    None handle over the claim, and a second agent then claimed the same node (seen at 1,024 simulated agents:
+    16 nodes never got an agent of their own)."""
+    c = make(count=2, spares=0)
+    launch = c.backend.launch
+
+    def joined_meanwhile(node):
+        launch(node)  # (the fake agent runs as if it had joined)
+        assert c.store.claim_node("workers", f"host{node.name[-1]}:4242", "/work").name == node.name
+        return None
+
+    c.backend.launch = joined_meanwhile
+    c.step()
+    assert {n.name: n.handle for n in c.store.nodes()} == {"workers-0": "host0:4242", "workers-1": "host1:4242"}
+    assert c.store.claim_node("workers", "late:1", "/work") is None, "no row waits for another agent"
 
 
 def test_a_lifecycle_script_failing_during_creation_fails_the_cluster_and_asks_to_stop_everything(make):

@@ -29,6 +29,12 @@ def test_another_protocol_version_is_refused_with_what_to_upgrade(theirs, words)
         protocol.check_version(theirs, "agent of node n1")
 
 
+def test_an_older_agent_is_told_what_to_upgrade_in_the_words_the_controller_uses():
+    with pytest.raises(protocol.ProtocolMismatch) as err:
+        protocol.check_version(protocol.PROTOCOL_VERSION - 1, "the agent of node n1")  # as api.py words it
+    assert "upgrade the agent (" in str(err.value) and "the the" not in str(err.value)
+
+
 def test_the_same_version_passes():
     protocol.check_version(protocol.PROTOCOL_VERSION, "agent")
     protocol.check_version(str(protocol.PROTOCOL_VERSION), "worker")  # (env variables are strings)

@@ -28,6 +28,6 @@ def check_version(theirs: object, who: str) -> None:
     except (TypeError, ValueError):
         raise ProtocolMismatch(f"{who} sent protocol version {theirs!r}, not an integer") from None
     if version != PROTOCOL_VERSION:
-        newer = "upgrade this side" if version > PROTOCOL_VERSION else f"upgrade the {who.split()[0]}"
+        newer = "upgrade this side" if version > PROTOCOL_VERSION else f"upgrade the {who.removeprefix('the ').split()[0]}"
         raise ProtocolMismatch(f"{who} speaks protocol version {version}, this side {PROTOCOL_VERSION}: {newer} "
                                f"(the controller, agents and workers must run the same Phalanx version)")

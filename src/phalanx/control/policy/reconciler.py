@@ -300,6 +300,7 @@ class Reconciler:
         except OSError as err:
             self.fault(node, f"could not start the agent: {err}", "agent-start-failed")
             return
-        self.store.update_node(node.name, handle=handle)
+        if handle is not None:  # None: an agent joins (hosts, Slurm) and may have claimed the row already
+            self.store.update_node(node.name, handle=handle)
         log.info("provisioning %s (%s, %s): %s", node.name, "spare" if is_spare else "member",
                  f"agent {handle}" if handle else "waiting for an agent to join", reason)

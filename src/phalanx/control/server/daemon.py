@@ -92,7 +92,7 @@ def start_rendezvous_store(host: str, port: int | None):
 class Controller:
     def __init__(self, paths: ClusterPaths):
         self.paths = paths
-        self.store = open_existing(paths.db)
+        self.store = open_existing(paths.db, owner=True)  # the only writer while it runs
         self.spec = self.store.spec()
         self.token = paths.read_token()
         self.log = log

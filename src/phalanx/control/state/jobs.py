@@ -364,4 +364,4 @@ class JobRecords:
 
     def set_node_ack(self, name: str, acked_at: float | None) -> None:
         if acked_at is not None:
-            self.store.execute("UPDATE nodes SET acked_at=? WHERE name=?", (acked_at, name))
+            self.store.update_node(name, acked_at=acked_at)
