@@ -176,6 +176,9 @@ def build_app(ctl) -> FastAPI:
     def get_events(since_id: int = 0, node: str | None = None, limit: int | None = None) -> list[dict]:
         return store.events(since_id=since_id, node=node, limit=limit)
 
+    heartbeat_locks = [lock for lock in (getattr(ctl.jobs, "lock", None), store.lock) if lock is not None]
+    heartbeat_queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
+
     @app.post("/v1/nodes/{name}/heartbeat")
     async def heartbeat(name: str, hb: Heartbeat) -> dict:
         try:
@@ -183,9 +186,6 @@ def build_app(ctl) -> FastAPI:
         except ProtocolMismatch as err:
             raise HTTPException(409, str(err)) from None
         return await inline_or_queued(lambda: _answer(name, hb), heartbeat_locks, heartbeat_queue)
-
-    heartbeat_locks = [lock for lock in (getattr(ctl.jobs, "lock", None), store.lock) if lock is not None]
-    heartbeat_queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
 
     def _answer(name: str, hb: Heartbeat) -> dict:
         node = node_or_404(name)

@@ -308,7 +308,7 @@ class Store(EventRecords):
             return self._rows
 
     def _written(self, name: str) -> None:
-        """The owner's view of node `name` after a write (or a rolled-back one) of its row."""
+        """The owner's view of node `name` after a committed write of its row: read back from SQLite."""
         if not self._owner:
             return
         with self._lock:
