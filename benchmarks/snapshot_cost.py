@@ -52,16 +52,17 @@ def _interleaved(trainer, blocks: int, block_steps: int, intervals: list[int]) -
     out = {}
     for interval in intervals:
         snapshots = BuddySnapshots(trainer, SnapshotShelf(), interval=interval, workers_per_node=1)
-        seconds: dict[str, list[float]] = {"on": [], "off": []}
+        seconds: dict[str, list[float]] = {"on": [], "off": [], "cpu_on": [], "cpu_off": []}
         for pair in range(blocks):
             for mode in (("on", "off") if pair % 2 == 0 else ("off", "on")):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 for _ in range(block_steps):
                     trainer.advance()
                     if mode == "on":
                         snapshots.after_step()
                 snapshots.wait()
                 seconds[mode].append(time.perf_counter() - start)
+                seconds[f"cpu_{mode}"].append(time.process_time() - cpu)
         snapshots.release()
         out[f"every_{interval}"] = seconds
     return out
@@ -103,16 +104,20 @@ def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, o
     buddy, ward = (rank + 1) % WORLD, (rank - 1) % WORLD
     group = dist.new_group(backend="gloo")
     figures: dict[str, list[float]] = {"capture": [], "seal": [], "exchange": [], "verify": []}
+    # buffers as buddy snapshots get them, where the version reuses them (a dropped copy's for the next one)
+    reuse = "buffer" in inspect.signature(ShardState.capture).parameters
+    spare: list = []
+    take = (lambda n, pinned: spare.pop() if spare else torch.empty(n, dtype=torch.uint8)) if reuse else None
     for _ in range(iterations + 3):
         c = time.thread_time()
-        state = ShardState.capture(trainer)
+        state = ShardState.capture(trainer, **({"buffer": take} if reuse else {}))
         capture = time.thread_time() - c
         c = time.thread_time()
         state.seal()
         seal = time.thread_time() - c
         dist.barrier()
         c = time.process_time()
-        got = exchange([(buddy, state)], [ward], group=group, **kwargs)
+        got = exchange([(buddy, state)], [ward], group=group, **kwargs, **({"buffer": take} if reuse else {}))
         dist.all_reduce(torch.ones(1), group=group)
         exchanged = time.process_time() - c
         copy = got[ward]
@@ -123,6 +128,8 @@ def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, o
         verify = time.thread_time() - c
         for k, v in zip(figures, (capture, seal, exchanged, verify)):
             figures[k].append(v)
+        if reuse:
+            spare[:] = [state.data, copy.data]
     result = {f"{k}_cpu_ms": median(v[3:]) * 1e3 for k, v in figures.items()}
     result["step_cpu_ms"] = median(step_cpu) * 1e3
     result["checked_on_arrival"] = not lazy
@@ -179,6 +186,13 @@ def main() -> None:
         print(f"snapshot {name.replace('_', ' ')}: tokens/s with ÷ without {median(pairs):.4f} "
               f"(median of {len(pairs)} block pairs, {min(pairs):.3f}–{max(pairs):.3f}; totals "
               f"{summary[f'interleaved_total_ratio_{name}']:.4f})")
+        if "cpu_on" in seconds:  # the CPU (all 4 processes, all threads) a block's snapshots add
+            on, off = ([sum(r["interleaved"][name][key][i] for r in ranks) for i in range(len(pairs))]
+                       for key in ("cpu_on", "cpu_off"))
+            added = [a / b - 1 for a, b in zip(on, off)]
+            summary[f"interleaved_cpu_added_{name}"] = round(median(added), 4)
+            print(f"  CPU of the 4 processes with ÷ without - 1: {median(added):+.4f} (median; "
+                  f"{min(added):+.3f} to {max(added):+.3f})")
     path = write_results(args.out, {
         "benchmark": "snapshot_cost",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/snapshot_cost.py " + " ".join(sys.argv[1:]),

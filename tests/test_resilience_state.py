@@ -63,3 +63,51 @@ def test_state_from_a_peer_replica_continues_training_bit_exactly(tmp_path, demo
     assert all(r["corruption_caught"] for r in got)
     assert all(r["unverified_refused"] for r in got)
     assert got[0]["nbytes"] > 0
+
+
+def _snapshots_reuse(run_dir, data, steps):
+    import torch.distributed as dist
+
+    from phalanx.resilience.restore import ShardState
+    from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
+    from phalanx.train.trainer import Trainer
+
+    config = tiny_config(run_dir, data, parallel={"dp_replicate": 1, "dp_shard": 4},
+                         checkpoint={"interval": 0, "resume": False})
+    trainer = Trainer(config, torch.device("cpu"))
+    shelf = SnapshotShelf()
+    snapshots = BuddySnapshots(trainer, shelf, interval=1, workers_per_node=1)
+    out = {"own_matches": [], "peer_checks": [], "buffers": set(), "plans": 0}
+    plan = None
+    for step in range(steps):
+        if step == steps // 2:
+            # a restore writes the state back: the optimizer's tensors are new objects, so the plan must follow
+            snapshots.wait()
+            ShardState.capture(trainer).apply(trainer)
+        trainer.train_step()
+        snapshots.after_step()
+        snapshots.wait()
+        own, fresh = shelf.own[trainer.progress.step], ShardState.capture(trainer)
+        out["own_matches"].append(own.entries == fresh.entries and all(
+            torch.equal(own.data[e.offset:e.offset + e.nbytes], fresh.data[e.offset:e.offset + e.nbytes])
+            for e in own.entries))
+        peer = shelf.peer[trainer.progress.step]
+        peer.verify()  # the ward's copy, through a reused buffer, matches the checksum taken where it was captured
+        out["peer_checks"].append(peer.verified)
+        out["buffers"].add(own.data.data_ptr())
+        out["plans"] += snapshots._plan is not plan
+        plan = snapshots._plan
+    out["buffers"] = len(out["buffers"])
+    out["rank"] = dist.get_rank()
+    snapshots.release()
+    return out
+
+
+@pytest.mark.slow
+def test_buddy_snapshots_reuse_buffers_and_their_plan_without_going_stale(tmp_path, demo_data):
+    got = run_distributed(_snapshots_reuse, 4, tmp_path / "a", tmp_path / "run", demo_data, 8)
+    for r in got:
+        assert all(r["own_matches"]), r  # every kept copy equals a fresh capture of the live state, bit for bit
+        assert all(r["peer_checks"]), r
+        assert r["buffers"] <= 4, r  # the copies cycle through the buffers of dropped ones, not a new one each step
+        assert r["plans"] == 2, r  # worked out once, and again after the restore replaced the optimizer's tensors

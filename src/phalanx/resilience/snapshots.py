@@ -17,7 +17,9 @@ event), and the exchange thread waits for it before it reads the buffer. A snaps
 exchange is still running waits for it — skipping would desynchronise the ranks' exchanges.
 
 `SnapshotShelf` keeps the copies across generations (a survivor's snapshots outlive its process groups);
-`freeze()` at a fault stops a lingering exchange thread from changing what the shelf reported.
+`freeze()` at a fault stops a lingering exchange thread from changing what the shelf reported. The buffers of
+the copies it drops are handed to the next capture and the next receive (`buffer`): a snapshot every step then
+writes into memory already mapped instead of faulting in fresh pages for every copy.
 
 Knows nothing about the controller, generations or what a state holds (`ShardState` does); of the trainer
 only its step.
@@ -33,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from phalanx.resilience.faults import PeerFault, is_peer_fault
-from phalanx.resilience.restore import Copy, ShardState, exchange
+from phalanx.resilience.restore import CapturePlan, Copy, ShardState, exchange
 
 log = logging.getLogger("phalanx.snapshots")
+_SPARE_BUFFERS = 4  # a snapshot every step drops an own and a peer copy per step and takes two new ones
 
 
 class SnapshotShelf:
@@ -46,6 +49,7 @@ class SnapshotShelf:
         self.epoch = 0  # bumped by freeze(): results of older exchanges are discarded
         self.own: dict[int, ShardState] = {}
         self.peer: dict[int, ShardState] = {}
+        self._spare: list[tuple[bool, torch.Tensor]] = []  # (pinned, buffer) of dropped copies, for reuse
 
     def freeze(self) -> None:
         with self.lock:
@@ -62,11 +66,25 @@ class SnapshotShelf:
                 self.peer[state.step] = state
 
     def complete(self, epoch: int, step: int) -> None:
-        """Every rank's exchange of `step` finished: drop the older copies."""
+        """Every rank's exchange of `step` finished: drop the older copies (their buffers are reused)."""
         with self.lock:
             if epoch == self.epoch:
+                dropped = [v for s, v in [*self.own.items(), *self.peer.items()] if s < step]
                 self.own = {s: v for s, v in self.own.items() if s >= step}
                 self.peer = {s: v for s, v in self.peer.items() if s >= step}
+                # only in the epoch that made them: a copy reported at a fault (`copies` after `freeze`) may still
+                # be read by the restore, and is never recycled
+                for state in dropped:
+                    if state.copied is None and len(self._spare) < _SPARE_BUFFERS:
+                        self._spare.append((state.data.is_pinned(), state.data))
+
+    def buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A byte buffer for the next copy: a dropped copy's of that size when there is one, else a new one."""
+        with self.lock:
+            for i, (was_pinned, data) in enumerate(self._spare):
+                if was_pinned == pinned and data.numel() == nbytes:
+                    return self._spare.pop(i)[1]
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def copies(self) -> list[tuple[Copy, ShardState]]:
         with self.lock:
@@ -82,7 +100,7 @@ class SnapshotShelf:
     def clear(self) -> None:
         with self.lock:
             self.epoch += 1
-            self.own, self.peer = {}, {}
+            self.own, self.peer, self._spare = {}, {}, []
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +120,7 @@ class BuddySnapshots:
         self.enabled = interval > 0 and self.buddy != rank
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.enabled else None
         self._thread: threading.Thread | None = None
+        self._plan: CapturePlan | None = None  # where each tensor goes in a capture, while the tensors stay
         self.error: BaseException | None = None
         # GPU: the copies run on their own stream; the next update waits for the newest one (`_copying`)
         on_gpu = self.enabled and trainer.device.type == "cuda"
@@ -121,7 +140,8 @@ class BuddySnapshots:
             kind = PeerFault if is_peer_fault(self.error) else RuntimeError
             raise kind(f"buddy snapshot exchange failed: {self.error}") from self.error
         epoch = self.shelf.epoch
-        state = ShardState.capture(self.trainer, stream=self._stream)
+        self._plan = CapturePlan.of(self.trainer, self._plan)
+        state = ShardState.capture(self.trainer, stream=self._stream, buffer=self.shelf.buffer, plan=self._plan)
         self._copying = state.copied
         self.shelf.add_own(epoch, state)
         self._thread = threading.Thread(target=self._exchange, args=(state, epoch), daemon=True,
@@ -131,7 +151,8 @@ class BuddySnapshots:
     def _exchange(self, state: ShardState, epoch: int) -> None:
         try:
             # the copy is checked when it is used (most never are); it keeps the checksum taken here
-            got = exchange([(self.buddy, state)], [self.ward], group=self.group, verify=False)
+            got = exchange([(self.buddy, state)], [self.ward], group=self.group, verify=False,
+                           buffer=self.shelf.buffer)
             self.shelf.add_peer(epoch, got[self.ward])
             done = torch.ones(1)
             dist.all_reduce(done, group=self.group)
@@ -161,4 +182,4 @@ class BuddySnapshots:
             self._hook = None
         self.group = None
         self._thread = None
-        self.trainer = None
+        self.trainer = self._plan = None
