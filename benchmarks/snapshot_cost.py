@@ -105,12 +105,18 @@ def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, o
     group = dist.new_group(backend="gloo")
     figures: dict[str, list[float]] = {"capture": [], "seal": [], "exchange": [], "verify": []}
     # buffers as buddy snapshots get them, where the version reuses them (a dropped copy's for the next one)
+    # and the capture plan kept between snapshots, where the version has one
     reuse = "buffer" in inspect.signature(ShardState.capture).parameters
     spare: list = []
     take = (lambda n, pinned: spare.pop() if spare else torch.empty(n, dtype=torch.uint8)) if reuse else None
+    plan_of = getattr(restore, "CapturePlan", None)
+    plan = None
     for _ in range(iterations + 3):
         c = time.thread_time()
-        state = ShardState.capture(trainer, **({"buffer": take} if reuse else {}))
+        if plan_of is not None:
+            plan = plan_of.of(trainer, plan)
+        state = ShardState.capture(trainer, **({"buffer": take} if reuse else {}),
+                                   **({"plan": plan} if plan is not None else {}))
         capture = time.thread_time() - c
         c = time.thread_time()
         state.seal()
