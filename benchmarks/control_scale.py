@@ -4,7 +4,7 @@ For each N in `--nodes` (default 64, 256, 1024): `phalanx cluster create` of a `
 nodes (one group, no spares) on loopback, and N simulated agents in one asyncio loop — no torch, no
 processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
 `heartbeat_interval_s` (0.5 s, the default) with the body a real agent sends (phase, lifecycle, health,
-workers, address, free ports). The controller, its reconciler and SQLite are the real ones. Measured:
+workers, address, free ports), and each holds its link open (`GET /v1/nodes/{name}/link`) as a real agent does. The controller, its reconciler and SQLite are the real ones. Measured:
 
   ready        first join → the cluster in service (every node healthy)
   heartbeat    round-trip of each heartbeat over a `--window` of steady state: p50 / p99, and the rate
@@ -114,6 +114,19 @@ class SimAgent:
             raise RuntimeError(f"join refused: {status} {reply}")
         self.name = reply["node"]
 
+    async def hold_link(self) -> None:
+        """The agent's link (`control/agent/link.py`): one more connection, held open while the agent lives (a
+        silent agent keeps it: a frozen host closes nothing)."""
+        reader, writer = await asyncio.open_connection(self.conn.host, self.conn.port)
+        writer.write(f"GET /v1/nodes/{self.name}/link?handle={self.handle} HTTP/1.1\r\nHost: {self.conn.host}\r\n"
+                     f"Authorization: Bearer {self.conn.token}\r\n\r\n".encode())
+        await writer.drain()
+        try:
+            while not self.stopped and await reader.read(64):
+                pass
+        finally:
+            writer.close()
+
     def body(self) -> dict:
         now = time.time()
         return {"protocol": PROTOCOL_VERSION, "handle": self.handle, "phase": "ready",
@@ -200,11 +213,13 @@ async def measure(n: int, window: float, root: Path) -> dict:
     agents = [SimAgent(i, Conn(host, port, token), interval, bench) for i in range(n)]
     first_join = time.monotonic()
     gate = asyncio.Semaphore(64)
+    links: list[asyncio.Task] = []
 
     async def join_and_run(a: SimAgent) -> None:  # like an agent: heartbeats start as soon as its join is answered
         try:
             async with gate:
                 await a.join()
+            links.append(asyncio.create_task(a.hold_link()))
             await a.run()
         except Exception as err:  # noqa: BLE001 - said, not swallowed: the cluster then never comes into service
             print(f"simulated agent {a.i} ({a.name or 'not joined'}) stopped: {type(err).__name__}: {err}",
@@ -262,6 +277,9 @@ async def measure(n: int, window: float, root: Path) -> dict:
     for a in agents:
         a.stopped = True
     await asyncio.gather(*tasks, return_exceptions=True)
+    for t in links:  # the controller ended them as it stopped (or they wait on a closed socket)
+        t.cancel()
+    await asyncio.gather(*links, return_exceptions=True)
     for a in agents:
         a.conn.close()
     out = {"nodes": n, "ready_s": round(ready, 3), "heartbeats": len(lat),

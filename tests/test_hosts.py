@@ -157,7 +157,10 @@ def test_a_checkpointless_job_survives_a_killed_host(tmp_path, hosts, demo_data,
     assert info["log_dir"].startswith(str(run_dir)), info["log_dir"]  # beside the checkpoints, which hosts share
     assert "rank 1 on node" in (Path(info["log_dir"]) / "rank1.log").read_text()
     victim_node = next(n for n in client.nodes() if n["name"] == victim)
-    assert victim_node["state"] in ("replacing", "terminated") and victim_node["fault_cause"] == "heartbeat-timeout"
+    # its agent's link ended with its process: judged within link_grace_s, not after heartbeat_timeout_s
+    assert victim_node["state"] in ("replacing", "terminated") and victim_node["fault_cause"] == "agent-gone"
+    faulty = next(e for e in client.events(node=victim) if e.get("to_state") == "faulty")
+    assert "its agent's link to the controller closed" in faulty["reason"], faulty
 
 
 def test_a_restart_job_survives_a_host_cut_off_the_network(tmp_path, hosts, demo_data):

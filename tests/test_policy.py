@@ -19,6 +19,8 @@ that covers it with processes:
       test_control::test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled[kill-node]
   freeze-node (heartbeat lost past heartbeat_timeout_s) → the same
       test_control::test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled[freeze-node]
+  an agent's link closed (its process ended; the backend cannot tell) → faulty after link_grace_s
+      test_hosts::test_a_checkpointless_job_survives_a_killed_host
   fail-health (health check failed) → the same
       test_control::test_faulty_node_is_replaced_by_the_spare_and_the_pool_refilled[fail-health]
   gpu-xid 79 (a replace-node health failure) → the same
@@ -84,6 +86,7 @@ from phalanx.control.backends.base import Backend
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.policy.inplace import MAX_FAILED_REGROUPS
 from phalanx.control.policy.reconciler import MAX_PROVISION_FAILURES, TERMINATE_GRACE_S
+from phalanx.control.server.links import AgentLinks
 from phalanx.control.state.jobs import JobState
 from phalanx.control.state.store import NodeState, Store
 
@@ -232,6 +235,34 @@ def test_a_member_that_never_registers_fails_creation_after_provision_timeout_s(
 
 
 # ---- node faults in service ----------------------------------------------------------------------------------------
+def test_an_agent_whose_link_closes_is_faulty_after_the_grace_not_the_heartbeat_timeout(make):
+    # backends whose agents are not the controller's children (hosts, Slurm) cannot say an agent ended: its link can
+    c = make(count=2, spares=1).create()
+    links = c.reconciler.links = AgentLinks()
+    handle = c.node("workers-0").handle
+    links.opened("workers-0", handle)
+    links.closed("workers-0", handle, c.clock())  # a reset on the way: the living agent heartbeats at once
+    c.steps(4)
+    assert state(c, "workers-0") == "healthy"
+    links.opened("workers-0", handle)
+    links.closed("workers-0", handle, c.clock())
+    links.opened("workers-0", handle)  # or opens another link before it heartbeats
+    c.backend.frozen.add("workers-0")  # from here on silent, and its backend cannot tell why
+    c.steps(2)
+    assert state(c, "workers-0") == "healthy"
+    links.closed("workers-0", handle, closed_at := c.clock())  # the agent process ended: the link with it
+    grace = c.spec.health.link_grace_s
+    while c.clock() - closed_at < grace:
+        c.step(0.1)
+        assert state(c, "workers-0") == "healthy", "judged before the grace"
+    c.step(0.1)
+    assert "its agent's link to the controller closed" in faulty_reason(c, "workers-0")
+    assert c.node("workers-0").fault_cause == "agent-gone"
+    faulty = next(e for e in c.events(node="workers-0") if e["to_state"] == "faulty")
+    assert faulty["time"] - closed_at <= grace + 0.1 < c.spec.health.heartbeat_timeout_s
+    c.run_until(lambda: c.transitions("workers-0")[-1] == "terminated", "workers-0 replaced")
+
+
 @pytest.mark.parametrize("fault, reason", NODE_FAULTS, ids=NODE_FAULT_IDS)
 def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fault, reason):
     c = make(count=2, spares=1).create()

@@ -110,6 +110,9 @@ class InstanceGroupSpec(_Strict):
 class HealthSpec(_Strict):
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60)
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="no heartbeat this long → node faulty")
+    link_grace_s: float | None = Field(0.5, gt=0, le=60, description=(
+        "an agent's link closed (its process ended: its kernel closed the connection) and no heartbeat or new "
+        "link this long → node faulty, without waiting out heartbeat_timeout_s; null: heartbeats only"))
     # below the training config's default pg_timeout_s (300): a frozen rank is killed by its agent (a node
     # fault: the node is replaced) before its peers' collectives time out (which would read as an app error)
     hang_timeout_s: float = Field(240.0, gt=0, description="no training progress this long → worker killed")

@@ -19,6 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from phalanx.protocol.version import PROTOCOL_VERSION
 
 
+# An agent's link (`GET /v1/nodes/{name}/link?handle=H`, held open while the agent lives: its end tells the
+# controller the agent process ended): the controller sends a byte down it this often, so nothing on the way takes
+# it for idle, and the agent gives up on a link silent for 3 beats and opens another.
+LINK_BEAT_S = 5.0
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

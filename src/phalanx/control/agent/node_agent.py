@@ -1,8 +1,8 @@
 """The node agent: `python -m phalanx.control.agent.node_agent --config WORK_DIR/agent.json`, one per node.
 
 It brings its node up and keeps reporting on it:
-  1. heartbeats to the controller from the start (the first heartbeat registers it), every
-     `heartbeat_interval_s`, carrying its phase, the lifecycle script's result and the latest health;
+  1. heartbeats to the controller every `heartbeat_interval_s`, carrying its phase, the lifecycle script's result
+     and the latest health, and holds a link open to it whose end says this process ended (`link.py`);
   2. runs the `on_create` lifecycle script in its work dir (output to lifecycle.log; on failure the tail
      goes into the report and the controller marks the node faulty). An executable script is run as is; a
      non-executable one with the interpreter its `#!` line names (like the kernel would), else /bin/sh;
@@ -15,9 +15,8 @@ makes the next check report a failure, the same path a real failure takes). `Wor
 state and exit code; a worker's exit wakes the heartbeat loop, so it reaches the controller at once.
 
 When the controller is unreachable the agent keeps its node — and its workers — as they are and retries,
-re-reading the controller's endpoint file (a restarted controller may listen elsewhere). It exits when
-told to, when its node is unknown to the controller (deleted), or when its work dir disappears; its workers
-are stopped first.
+re-reading the controller's endpoint file (a restarted controller may listen elsewhere). It exits when told to,
+when its node is unknown to the controller (deleted), or when its work dir disappears; workers are stopped first.
 
 Must not know: the reconciler's policy, SQLite, torch. Workers get the env from `phalanx.protocol`.
 """
@@ -39,6 +38,7 @@ from phalanx.control.agent import health
 from phalanx.protocol import NODE_HANDLE, PROTOCOL_VERSION, ProtocolMismatch, check_version
 from phalanx.protocol.messages import HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
+from phalanx.control.agent.link import Link
 from phalanx.control.agent.join import TOKEN_ENV, act_on, free_ports, join
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import PRIVATE_UMASK
@@ -230,8 +230,7 @@ class Agent:
         self.relay_gap, self.controller_id = False, reply.controller
         if reply.action != "terminate":
             if self.template is not None and reply.state == "healthy":
-                # torch imported now, long before a replacement is due here; not earlier: the import would compete
-                # with the lifecycle script and the timed deep health check for the cores (no-op once it runs)
+                # torch imported now, not earlier: it would compete with the lifecycle script and the deep check
                 self.template.start()
             self.workers.apply(reply.workers, relay_gap=gap, standby=reply.standby)
             self.deep.apply(reply.deep_check)
@@ -264,6 +263,8 @@ class Agent:
     def run(self) -> int:
         threading.Thread(target=self.bring_up, name="bring-up", daemon=True).start()
         threading.Thread(target=self.watch_workers, name="workers", daemon=True).start()
+        Link(self.name, self.handle, self.token, self.endpoint_url, interval=self.interval, stop=self.stop,
+             dropped=self.wake.set).start()
         url, down_since = self.endpoint_url(), None
         while not self.stop.is_set():
             if not self.work_dir.is_dir():
@@ -390,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    # Slurm's warning before an allocation's time limit (sbatch --signal=B:USR2@120, forwarded by srun): noted; the
-    # agent runs on until Slurm ends the step, and the job's checkpoints are its way back after a requeue
+    # Slurm's warning before the time limit (sbatch --signal=B:USR2@120): the job's checkpoints are its way back
     signal.signal(signal.SIGUSR2, lambda s, f: log.warning("Slurm sent USR2: the allocation's time limit is near"))
     return agent.run()
 

@@ -40,12 +40,13 @@ MAX_PROVISION_FAILURES = 3
 
 class Reconciler:
     def __init__(self, store: Store, backend, *, started_at: float, request_exit: Callable[[str], None],
-                 jobs=None, deep_checks=None, clock: Callable[[], float] = time.time):
+                 jobs=None, deep_checks=None, links=None, clock: Callable[[], float] = time.time):
         self.store = store
         self.clock = clock  # the time policy decides by (tests drive a fake one)
         self.backend = backend
         self.jobs = jobs  # the JobScheduler, or None (no jobs)
         self.deep = deep_checks  # the DeepCheckCoordinator (used when the spec asks for the deep check)
+        self.links = links  # the agents' links (`server/links.py`), or None
         self.spec = store.spec()
         self.started_at = started_at
         self.request_exit = request_exit  # stop every node and exit the controller, with a reason
@@ -103,6 +104,11 @@ class Reconciler:
                                          f"running lifecycle script {script}" if script else
                                          f"agent registered (handle {node.handle}); no lifecycle script")
             state = node.state
+        closed = (self.links.lost(node.name, node.handle, node.last_heartbeat, now, h.link_grace_s)
+                  if self.links is not None and h.link_grace_s is not None else None)
+        if closed is not None:
+            return self.fault(node, f"its agent's link to the controller closed {closed:.1f} s ago, and no heartbeat "
+                              f"or new link came (the agent process ended)", "agent-gone")
         silent = now - max(node.last_heartbeat, self.started_at)
         if silent > h.heartbeat_timeout_s:
             return self.fault(node, f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})",

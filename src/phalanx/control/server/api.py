@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from phalanx.control.server.dashboard import PUBLIC_PATHS, add_dashboard_routes
 from phalanx.control.server.heartbeat import answer_heartbeat
 from phalanx.control.server.job_runs import JobRuns
+from phalanx.control.server.links import LinkResponse
 from phalanx.control.server.metrics import ClusterCollector
 from phalanx.protocol import ProtocolMismatch, check_version
 from phalanx.protocol.messages import Heartbeat, JoinReply, JoinRequest
@@ -195,6 +196,19 @@ def build_app(ctl) -> FastAPI:
             raise HTTPException(410, f"node {name} is run by the agent with handle {node.handle}, not {hb.handle}")
         return answer_heartbeat(store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time(),
                                 getattr(ctl, "poke", None))
+
+    links = getattr(ctl, "links", None)
+
+    @app.get("/v1/nodes/{name}/link")
+    def link(name: str, handle: str) -> Response:
+        """Held open while the node's agent lives (`server/links.py`)."""
+        if links is None:
+            raise HTTPException(404, "this controller keeps no agent links")
+        node = node_or_404(name)
+        if node.state == S.TERMINATED or node.handle != handle:
+            raise HTTPException(410, f"node {name} is run by the agent with handle {node.handle}, not {handle}"
+                                if node.state != S.TERMINATED else f"node {name} is terminated ({node.reason})")
+        return LinkResponse(links, name, handle, lambda: bool(getattr(getattr(ctl, "server", None), "should_exit", 0)))
 
     @app.post("/v1/join")
     def join(req: JoinRequest) -> dict:

@@ -40,6 +40,7 @@ import uvicorn
 from phalanx import protocol
 from phalanx.control.server.api import build_app
 from phalanx.control.server.job_runs import JobRuns
+from phalanx.control.server.links import AgentLinks
 from phalanx.control.backends import make_backend
 from phalanx.control.backends.local import process_running
 from phalanx.control.policy.deep_check import DeepCheckCoordinator
@@ -102,6 +103,7 @@ class Controller:
         self.jobs: JobScheduler | None = None
         self.runs = JobRuns()  # what /metrics reads about each job's training (its run files, followed)
         self.deep_checks = DeepCheckCoordinator(self.spec, self.backend)
+        self.links = AgentLinks()  # each agent's open request: its end says the agent process ended
         self.started_at: float | None = None
         self._exit = threading.Event()
         self._poked = threading.Event()  # a heartbeat brought news a decision waits on: tick now
@@ -175,7 +177,7 @@ class Controller:
         if restart:
             self.jobs.republish()  # checkpointless workers watch their job's generation key
         reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit,
-                                jobs=self.jobs, deep_checks=self.deep_checks)
+                                jobs=self.jobs, deep_checks=self.deep_checks, links=self.links)
         self.server = uvicorn.Server(uvicorn.Config(build_app(self), log_level="warning", access_log=False,
                                                     lifespan="off"))
         loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)
