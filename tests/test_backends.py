@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from phalanx.control.server.links import AgentLinks
 from phalanx.control.backends import Backend, make_backend
 from phalanx.control.backends.hosts import HostsBackend
 from phalanx.control.backends.slurm import SlurmBackend
@@ -189,6 +190,30 @@ def test_the_hosts_backend_learns_each_node_from_its_agent_and_starts_nothing(tm
     assert backend.gone(node) is None
     store.update_node(node.name, last_heartbeat=time.time() + 0.01)
     assert "told to terminate" in backend.gone(node)
+    store.close()
+
+
+def test_the_hosts_backend_takes_an_agent_whose_link_closed_for_gone_without_waiting_out_its_silence(tmp_path):
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 1}
+    spec = spec_from_dict({"name": "c1", "backend": "hosts", "api": {"host": "198.18.0.2"},
+                           "instance_groups": [group], "health": {"link_grace_s": 0.2}})
+    paths = ClusterPaths(tmp_path / "c1")
+    paths.root.mkdir(mode=0o700)
+    store = Store(paths.db)
+    store.initialize(spec)
+    links = AgentLinks()
+    backend = make_backend(spec, paths, store, links)
+    store.add_node("workers", is_spare=False, work_root=backend.work_root(), reason="test")
+    node = store.claim_node("workers", "hostA:41", "/w")
+    store.update_node(node.name, last_heartbeat=time.time() - 1.0)
+    links.opened(node.name, "hostA:41")
+    backend.terminate(node)  # replaced: the dead agent will never answer, and its silence is 3 s away
+    assert backend.gone(node) is None  # its link is open: it lives
+    links.closed(node.name, "hostA:41", time.time() - 0.1)
+    assert backend.gone(node) is None  # within link_grace_s
+    links.opened(node.name, "hostA:41")
+    links.closed(node.name, "hostA:41", time.time() - 0.3)  # closed for good, and no heartbeat since
+    assert "its link closed" in backend.gone(node)
     store.close()
 
 

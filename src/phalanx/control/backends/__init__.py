@@ -7,17 +7,17 @@ from __future__ import annotations
 from phalanx.control.backends.base import Backend
 
 
-def make_backend(spec, paths, store=None) -> Backend:
+def make_backend(spec, paths, store=None, links=None) -> Backend:
     """The backend of `spec.backend` for the cluster at `paths` (`store`: the controller's, which the hosts
-    and slurm backends read their agents' reports from)."""
+    and slurm backends read their agents' reports from; `links`: its `AgentLinks`, which tell them an agent ended)."""
     if spec.backend == "slurm":
         from phalanx.control.backends.slurm import SlurmBackend
 
-        return SlurmBackend(paths, spec, store)
+        return SlurmBackend(paths, spec, store, links)
     if spec.backend == "hosts":
         from phalanx.control.backends.hosts import HostsBackend
 
-        return HostsBackend(paths, spec, store)
+        return HostsBackend(paths, spec, store, links)
     from phalanx.control.backends.local import LocalBackend
 
     return LocalBackend(paths, spec)

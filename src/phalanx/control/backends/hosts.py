@@ -11,7 +11,8 @@ its heartbeats: the address its workers are reached at, the interface holding it
 
     launch(node)      nothing to start: None (the node waits for an agent to join it)
     gone(node)        after `terminate`: the agent has been answered once since (its reply said terminate),
-                      or stayed silent past heartbeat_timeout_s; None before
+                      its link closed (the agent process ended: `server/links.py`), or it stayed silent past
+                      heartbeat_timeout_s; None before
     terminate(node)   remembered; the agent's next heartbeat reply says terminate (the node is replacing, or
                       the cluster is ending)
     kill/freeze/signal_worker   not from here: fault injection goes to the agent as a directive
@@ -41,10 +42,11 @@ class HostsBackend:
     # signals go as directives (api.py), and nodes are stopped while the API still serves (daemon.py)
     faults_through_agent = True
 
-    def __init__(self, paths: ClusterPaths, spec: ClusterSpec, store=None):
+    def __init__(self, paths: ClusterPaths, spec: ClusterSpec, store=None, links=None):
         self.paths = paths
         self.spec = spec
         self.store = store  # the controller's store: a node's newest heartbeat (None outside the controller)
+        self.links = links  # the controller's `AgentLinks`: when an agent's link closed (None outside it)
         self._told: dict[str, float] = {}  # node → when it was asked to terminate
         self._given: dict[str, deque] = {}  # node → ports handed out lately
 
@@ -61,6 +63,11 @@ class HostsBackend:
         heard = self._fresh(node).last_heartbeat
         if heard is not None and heard > told:
             return f"its agent (handle {node.handle}) was told to terminate at its heartbeat"
+        grace = self.spec.health.link_grace_s
+        closed = (self.links.lost(node.name, node.handle, heard, time.time(), grace)
+                  if self.links is not None and grace is not None and node.handle else None)
+        if closed is not None:
+            return f"its agent (handle {node.handle}) ended: its link closed {closed:.1f} s ago"
         silent = time.time() - max(told, heard or 0.0)
         if silent > self.spec.health.heartbeat_timeout_s:
             return f"its agent (handle {node.handle}) has been silent for {silent:.1f} s since it was asked to stop"

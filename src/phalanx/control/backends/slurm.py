@@ -53,8 +53,8 @@ log = logging.getLogger("phalanx.slurm")
 
 
 class SlurmBackend(HostsBackend):
-    def __init__(self, paths: ClusterPaths, spec: ClusterSpec, store=None):
-        super().__init__(paths, spec, store)
+    def __init__(self, paths: ClusterPaths, spec: ClusterSpec, store=None, links=None):
+        super().__init__(paths, spec, store, links)
         self.settings = spec.slurm_settings
         self.job_name = f"phalanx-{spec.name}"
         self.poller = SlurmPoller(self.job_name, self.settings.allocation, on_view=self._annotate)

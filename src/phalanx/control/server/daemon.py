@@ -97,13 +97,13 @@ class Controller:
         self.spec = self.store.spec()
         self.token = paths.read_token()
         self.log = log
-        self.backend = make_backend(self.spec, paths, self.store)
+        self.links = AgentLinks()  # each agent's open request: its end says the agent process ended
+        self.backend = make_backend(self.spec, paths, self.store, self.links)
         self.server: uvicorn.Server | None = None
         self.rendezvous = None  # the TCPStore, once started
         self.jobs: JobScheduler | None = None
         self.runs = JobRuns()  # what /metrics reads about each job's training (its run files, followed)
         self.deep_checks = DeepCheckCoordinator(self.spec, self.backend)
-        self.links = AgentLinks()  # each agent's open request: its end says the agent process ended
         self.started_at: float | None = None
         self._exit = threading.Event()
         self._poked = threading.Event()  # a heartbeat brought news a decision waits on: tick now
