@@ -9,8 +9,10 @@ every `--interval` steps (default 20), `--steps` steps (default 60). At `--fail-
 after a checkpoint) a node dies: its slurmd, its step daemons and every process they started are SIGKILLed.
 
   checkpointless  `phalanx cluster create` with `backend: slurm`: one allocation of 2 members + 1 spare, an
-                  agent on each; `--recovery checkpointless`. Rank 1's node dies. The controller marks it
-                  faulty (heartbeat timeout), promotes the spare, drains the dead node; the survivor keeps
+                  agent on each; `--recovery checkpointless`. Rank 1's node dies (rank 0's when rank 1 runs on
+                  the allocation's batch host, whose srun step holds every agent: that death is `requeue`'s
+                  case). The controller marks it faulty (its agent's link closed; a host that closes nothing:
+                  heartbeat timeout), promotes the spare, drains the dead node; the survivor keeps
                   its process, the spare's warm standby restores rank 1 from the other replica's memory.
   restart         the same cluster and kill, `--recovery restart`: the new generation on the spare resumes
                   from the newest checkpoint.
@@ -115,8 +117,14 @@ class SpareHarness:
             run_dir = Path(tree["run_dir"])
             job = jobs.submit(config_from_dict(tree), nodes=2, auto_resume=True, recovery=self.recovery)
             wait_for(lambda: last_step(run_dir / "metrics.jsonl") >= fail_step, 300, f"step {fail_step}")
-            victim = jobs.describe(job["id"])["generations"][-1]["nodes"][1]
-            handle = next(n for n in client.nodes() if n["name"] == victim)["handle"]
+            nodes = jobs.describe(job["id"])["generations"][-1]["nodes"]
+            handles = {n["name"]: n["handle"] for n in client.nodes()}
+            victim = nodes[1]
+            if not self.local:  # the allocation's batch host runs the srun of every agent: its death is requeue's case
+                allocation = handles[victim].split(":")[1]
+                batch = self.slurm.run("squeue", "-h", "-j", allocation, "-o", "%B").stdout.strip()
+                victim = next(n for n in (nodes[1], nodes[0]) if handles[n].split(":")[2] != batch)
+            handle = handles[victim]
             host = "local" if self.local else handle.split(":")[2]
             killed_at = time.time()
             if self.local:
