@@ -15,7 +15,7 @@ import threading
 import time
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 
 from phalanx.control.server.links import AgentLinks, LinkResponse
 
@@ -31,12 +31,14 @@ AGENT = textwrap.dedent("""
 """)
 
 
-def _serve(links: AgentLinks, stopping: threading.Event) -> tuple[uvicorn.Server, int]:
+def _serve(links: AgentLinks) -> tuple[uvicorn.Server, int]:
     app = FastAPI()
 
     @app.get("/v1/nodes/{name}/link")
-    def link(name: str, handle: str):
-        return LinkResponse(links, name, handle, stopping.is_set)
+    async def link(name: str, handle: str):
+        if links.stopped.is_set():
+            raise HTTPException(503, "stopping")
+        return LinkResponse(links, name, handle)
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -60,8 +62,8 @@ def _wait(predicate, timeout_s: float, what: str):
 
 
 def test_a_killed_agent_process_closes_its_link_at_once_and_the_controller_records_it():
-    links, stopping = AgentLinks(), threading.Event()
-    server, port = _serve(links, stopping)
+    links = AgentLinks()
+    server, port = _serve(links)
     agent = subprocess.Popen([sys.executable, "-c", AGENT, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         _wait(lambda: ("n1", "host:42") in links._open, 30, "the agent's link to open")
@@ -77,24 +79,22 @@ def test_a_killed_agent_process_closes_its_link_at_once_and_the_controller_recor
         assert links.lost("n1", "other:1", None, closed_at + 0.6, grace_s=0.5) is None  # another agent's handle
     finally:
         agent.kill()
-        stopping.set()
         server.should_exit = True
 
 
 def test_an_agent_whose_link_ends_while_it_lives_opens_another_at_once():
-    links, stopping = AgentLinks(), threading.Event()
-    server, port = _serve(links, stopping)
+    links = AgentLinks()
+    server, port = _serve(links)
     agent = subprocess.Popen([sys.executable, "-c", AGENT, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         _wait(lambda: ("n1", "host:42") in links._open, 30, "the agent's link to open")
-        stopping.set()  # the controller ends every link (as it does when it stops): the agent opens another
+        links.stop()  # the controller ends every link (as it does when it stops): the agent opens another
         assert agent.stdout.readline().strip() == "dropped"  # and heartbeats at once (here: says so)
         _wait(lambda: ("n1", "host:42") in links._closed, 5, "the first link to close")
-        stopping.clear()
+        links._loop.call_soon_threadsafe(links.stopped.clear)  # a controller that serves again
         _wait(lambda: ("n1", "host:42") in links._open, 5, "a new link")
         assert agent.poll() is None
     finally:
         agent.kill()
         agent.wait(timeout=10)
-        stopping.set()
         server.should_exit = True

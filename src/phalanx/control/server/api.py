@@ -200,15 +200,15 @@ def build_app(ctl) -> FastAPI:
     links = getattr(ctl, "links", None)
 
     @app.get("/v1/nodes/{name}/link")
-    def link(name: str, handle: str) -> Response:
-        """Held open while the node's agent lives (`server/links.py`)."""
+    async def link(name: str, handle: str) -> Response:
+        """Held open while the node's agent lives (`server/links.py`). Nothing looked up: a link counts only for
+        the agent a node's row names (`AgentLinks.lost` is asked with the node's handle), and the event loop
+        must not wait on the store's lock (a thousand agents open theirs while the cluster is created)."""
         if links is None:
             raise HTTPException(404, "this controller keeps no agent links")
-        node = node_or_404(name)
-        if node.state == S.TERMINATED or node.handle != handle:
-            raise HTTPException(410, f"node {name} is run by the agent with handle {node.handle}, not {handle}"
-                                if node.state != S.TERMINATED else f"node {name} is terminated ({node.reason})")
-        return LinkResponse(links, name, handle, lambda: bool(getattr(getattr(ctl, "server", None), "should_exit", 0)))
+        if links.stopped.is_set():
+            raise HTTPException(503, "the controller is stopping")
+        return LinkResponse(links, name, handle)
 
     @app.post("/v1/join")
     def join(req: JoinRequest) -> dict:

@@ -178,8 +178,8 @@ class Controller:
             self.jobs.republish()  # checkpointless workers watch their job's generation key
         reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit,
                                 jobs=self.jobs, deep_checks=self.deep_checks, links=self.links)
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self), log_level="warning", access_log=False,
-                                                    lifespan="off"))
+        self.server = ControllerServer(self.links, uvicorn.Config(build_app(self), log_level="warning",
+                                                                  access_log=False, lifespan="off"))
         loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)
         loop.start()
         # uvicorn restores the handler it found and re-raises the signal after a graceful shutdown; this one
@@ -240,6 +240,18 @@ class Controller:
             self.backend.forget(n)
             self.store.transition(n.name, NodeState.TERMINATED, f"{reason.splitlines()[0]}"
                                   f"{' (SIGKILL after SIGTERM grace)' if stubborn else ''}")
+
+
+class ControllerServer(uvicorn.Server):
+    """uvicorn's server, which ends the agents' links before its graceful shutdown waits for open responses."""
+
+    def __init__(self, links: AgentLinks, config: uvicorn.Config):
+        super().__init__(config)
+        self.links = links
+
+    async def shutdown(self, sockets=None) -> None:
+        self.links.stop()
+        await super().shutdown(sockets)
 
 
 def main(argv: list[str] | None = None) -> int:

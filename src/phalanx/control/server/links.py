@@ -17,20 +17,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 
 from starlette.responses import Response
 
 from phalanx.protocol.messages import LINK_BEAT_S
-
-POLL_S = 1.0  # a link checks this often whether the controller is stopping (uvicorn waits for open responses)
-
 
 class AgentLinks:
     def __init__(self):
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], int] = {}  # (node, handle) → links open
         self._closed: dict[tuple[str, str], float] = {}  # (node, handle) → when its last link closed
+        self.stopped = asyncio.Event()  # set on the server's loop (`stop`): every link ends, none opens
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def stop(self) -> None:
+        """End every link (the controller stops: uvicorn waits for open responses before it exits). From any thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.stopped.set)
 
     def opened(self, node: str, handle: str) -> None:
         with self._lock:
@@ -65,29 +68,36 @@ class AgentLinks:
 
 class LinkResponse(Response):
     """A response that never ends by itself: a byte every LINK_BEAT_S until the agent's side closes (recorded in
-    `links`) or the controller stops (`stopping()`)."""
+    `links`) or the controller stops (`links.stop()`). One wake-up per beat: it waits on the connection and the
+    stop together, not by polling."""
 
-    def __init__(self, links: AgentLinks, node: str, handle: str, stopping: Callable[[], bool]):
+    def __init__(self, links: AgentLinks, node: str, handle: str):
         super().__init__(media_type="text/plain")
-        self.links, self.node, self.handle, self.stopping = links, node, handle, stopping
+        self.links, self.node, self.handle = links, node, handle
 
     async def __call__(self, scope, receive, send) -> None:
+        links = self.links
+        links._loop = asyncio.get_running_loop()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")]})
-        self.links.opened(self.node, self.handle)
+        links.opened(self.node, self.handle)
+        receiving = asyncio.ensure_future(receive())
+        stopping = asyncio.ensure_future(links.stopped.wait())
         try:
             await send({"type": "http.response.body", "body": b".", "more_body": True})
-            beat_at = time.monotonic() + LINK_BEAT_S
-            while not self.stopping():
-                try:
-                    message = await asyncio.wait_for(receive(), POLL_S)
-                except asyncio.TimeoutError:
-                    if time.monotonic() >= beat_at:
-                        await send({"type": "http.response.body", "body": b".", "more_body": True})
-                        beat_at = time.monotonic() + LINK_BEAT_S
-                    continue
-                if message["type"] == "http.disconnect":
+            while True:
+                done, _ = await asyncio.wait({receiving, stopping}, timeout=LINK_BEAT_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if stopping in done:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if receiving in done:
+                    if receiving.result()["type"] == "http.disconnect":
+                        return
+                    receiving = asyncio.ensure_future(receive())  # the (empty) request body: wait on
+                    continue
+                await send({"type": "http.response.body", "body": b".", "more_body": True})
         finally:
-            self.links.closed(self.node, self.handle, time.time())
+            receiving.cancel()
+            stopping.cancel()
+            links.closed(self.node, self.handle, time.time())
