@@ -265,6 +265,8 @@ class Reconciler:
                 self.backend.forget(node)
                 extra = f"; killed {len(leftovers)} leftover processes" if leftovers else ""
                 self.store.transition(node.name, S.TERMINATED, f"{gone}{extra}")
+                if self.links is not None:
+                    self.links.forget(node.name)
                 log.info("node %s terminated: %s%s", node.name, gone, extra)
             elif now - node.state_since > TERMINATE_GRACE_S:
                 log.warning("node %s did not stop within %.0f s of SIGTERM; next: SIGKILL", node.name,

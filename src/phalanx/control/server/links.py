@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from phalanx.protocol.messages import LINK_BEAT_S
 
+
 class AgentLinks:
     def __init__(self):
         self._lock = threading.Lock()
@@ -60,6 +61,7 @@ class AgentLinks:
         return now - at
 
     def forget(self, node: str) -> None:
+        """The node is terminated: nothing more to ask about its agents (keeps this to the live nodes)."""
         with self._lock:
             for key in [k for k in [*self._open, *self._closed] if k[0] == node]:
                 self._open.pop(key, None)
