@@ -38,7 +38,8 @@ class Link(threading.Thread):
             held = self._hold()
             if self.stop.is_set():
                 return
-            self.dropped()  # heartbeat now: the controller learns this agent lives before it judges the close
+            if held:
+                self.dropped()  # heartbeat now: the controller learns this agent lives before it judges the close
             if not held or time.monotonic() - opened_at < 1.0:  # refused, unreachable, or ended at once (the
                 self.stop.wait(self.interval)  # controller stopping): again after a heartbeat interval, not in a loop
 
