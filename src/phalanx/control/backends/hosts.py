@@ -63,9 +63,8 @@ class HostsBackend:
         heard = self._fresh(node).last_heartbeat
         if heard is not None and heard > told:
             return f"its agent (handle {node.handle}) was told to terminate at its heartbeat"
-        grace = self.spec.health.link_grace_s
-        closed = (self.links.lost(node.name, node.handle, heard, time.time(), grace)
-                  if self.links is not None and grace is not None and node.handle else None)
+        closed = (self.links.lost(node.name, node.handle, heard, time.time(), self.spec.health.link_grace_s)
+                  if self.links is not None else None)
         if closed is not None:
             return f"its agent (handle {node.handle}) ended: its link closed {closed:.1f} s ago"
         silent = time.time() - max(told, heard or 0.0)

@@ -105,7 +105,7 @@ class Reconciler:
                                          f"agent registered (handle {node.handle}); no lifecycle script")
             state = node.state
         closed = (self.links.lost(node.name, node.handle, node.last_heartbeat, now, h.link_grace_s)
-                  if self.links is not None and h.link_grace_s is not None else None)
+                  if self.links is not None else None)
         if closed is not None:
             return self.fault(node, f"its agent's link to the controller closed {closed:.1f} s ago, and no heartbeat "
                               f"or new link came (the agent process ended)", "agent-gone")

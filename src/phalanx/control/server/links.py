@@ -49,9 +49,13 @@ class AgentLinks:
                 self._open.pop((node, handle), None)
                 self._closed[(node, handle)] = at
 
-    def lost(self, node: str, handle: str, last_heartbeat: float | None, now: float, grace_s: float) -> float | None:
+    def lost(self, node: str, handle: str | None, last_heartbeat: float | None, now: float,
+             grace_s: float | None) -> float | None:
         """Seconds since the link of `node`'s agent `handle` closed, when it closed at least `grace_s` ago, no link
-        of that agent is open again and no heartbeat came after the close; else None."""
+        of that agent is open again and no heartbeat came after the close; else None (and always with `grace_s`
+        None: links off, `health.link_grace_s: null`)."""
+        if grace_s is None or handle is None:
+            return None
         with self._lock:
             at = self._closed.get((node, handle))
             if at is None or (node, handle) in self._open:
