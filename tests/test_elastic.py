@@ -44,6 +44,12 @@ def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in lines if "event" not in r], [r for r in lines if "event" in r]
 
 
+def story(info: dict) -> list[str]:
+    """The job's generations as a failure message reads them: outcome, size, why it ended, its faults."""
+    return [f"generation {g['generation']} on {len(g['nodes'])} nodes: {g['outcome']} ({g['end_reason']}); faults "
+            f"{[f.get('detail') for f in g['faults']]}" for g in info["generations"]]
+
+
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model tensors of the run's last checkpoint, read back into one process."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -96,8 +102,8 @@ def test_job_scale_resizes_in_place_keeping_batch_order_and_loss(tmp_path, home,
     assert code == 2 and "already succeeded" in flat(out), out
 
     gens = info["generations"]
-    assert [len(g["nodes"]) for g in gens] == [4, 2, 3, 4]
-    assert [g["outcome"] for g in gens] == ["resized", "resized", "resized", "succeeded"]
+    assert [len(g["nodes"]) for g in gens] == [4, 2, 3, 4], story(info)
+    assert [g["outcome"] for g in gens] == ["resized", "resized", "resized", "succeeded"], story(info)
     # survivors kept their processes: the first two ranks run in one process each from start to end
     pids = {(w["generation"], w["rank"]): w["pid"] for w in info["workers"]}
     assert all(pids[(g, r)] == pids[(1, r)] for g in (2, 3, 4) for r in (0, 1))
@@ -165,7 +171,7 @@ def test_fault_without_spare_shrinks_then_grows_and_priority_takes_nodes(tmp_pat
     jobs.cancel("el")
     info = jobs.wait("el", timeout_s=60)
     outcomes = [g["outcome"] for g in info["generations"]]
-    assert outcomes[:1] == ["node-fault"] and outcomes.count("resized") >= 3, outcomes
+    assert outcomes[:1] == ["node-fault"] and outcomes.count("resized") >= 3, story(info)
     steps, events = records(run_dir)
     assert not [e for e in events if e["event"] == "resumed" and e.get("recovery") == "checkpoint"]
     assert all(e["steps_lost"] == 0 for e in events if e["event"] == "resumed")
@@ -190,7 +196,7 @@ def test_sharded_replicas_of_two_nodes_resize_in_place(tmp_path, home, demo_data
                  f"the job to run {replicas} replica(s)")
         step_at_least(jobs, "el", at, timeout=120)
     info = jobs.wait("el", timeout_s=180)
-    assert info["state"] == "succeeded" and [len(g["nodes"]) for g in info["generations"]] == [4, 2, 4]
+    assert info["state"] == "succeeded" and [len(g["nodes"]) for g in info["generations"]] == [4, 2, 4], story(info)
     steps, events = records(run_dir)
     assert [s["step"] for s in steps] == list(range(1, 25))
     worst = max(abs(s["loss"] - ref_loss[s["step"]]) for s in steps)
@@ -212,7 +218,7 @@ def test_scale_batch_resize_follows_the_replica_count_with_the_learning_rate(tmp
     step_at_least(jobs, "el", 8)
     jobs.scale("el", 2)
     info = jobs.wait("el", timeout_s=180)
-    assert info["state"] == "succeeded" and [len(g["nodes"]) for g in info["generations"]] == [4, 2]
+    assert info["state"] == "succeeded" and [len(g["nodes"]) for g in info["generations"]] == [4, 2], story(info)
     steps, events = records(run_dir)
     (resized,) = [e for e in events if e["event"] == "resized"]
     assert resized["global_batch_size"] == 6 and resized["peak_lr"] == pytest.approx(config.optimizer.lr / 2)
