@@ -13,6 +13,8 @@ Two ways to lay the nodes out:
     slurm = LocalSlurm(tmp_path / "slurm", nodes=4); slurm.start()   # ready: every node idle
     slurm.env                 # SLURM_CONF for the clients (sbatch, squeue, scontrol) and for Phalanx
     slurm.kill_slurmd("n2")   # a node's slurmd dies (its steps' processes live on: kill those separately)
+    LocalSlurm(root, gpus=2)  # every node has 2 GPUs for Slurm (Gres=gpu:2): two character devices standing in
+                              # for /dev/nvidia0-1, so Slurm allocates them and sets a step's CUDA_VISIBLE_DEVICES
     slurm.stop()              # every daemon this harness started (munged only if it started it)
 
 `LocalSlurm.available()` says why Slurm cannot be run here (not root, packages missing); the tests fail on
@@ -25,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -33,8 +36,10 @@ DAEMONS = ("slurmctld", "slurmd", "sbatch", "munged")
 
 
 class LocalSlurm:
-    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2, port_base: int | None = None, hosts=None):
+    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2, port_base: int | None = None, hosts=None,
+                 gpus: int = 0):
         self.root = Path(root).resolve()  # daemons chdir to /: every path they get is absolute
+        self.gpus = gpus
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.hosts = hosts  # netns.Hosts (node nI on host hI), or None: every node on 127.0.0.1
         if hosts is not None and hosts.count < nodes:
@@ -64,14 +69,24 @@ class LocalSlurm:
                                                "CgroupAutomount=no\n")
         host, r = socket.gethostname(), self.root
         last = self.node_port + len(self.nodes) - 1
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
         if self.hosts is None:
             nodes = (f"NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 "
-                     f"Port=[{self.node_port}-{last}] CPUs={self.cpus} RealMemory=4000 State=UNKNOWN")
+                     f"Port=[{self.node_port}-{last}] CPUs={self.cpus} RealMemory=4000{gres} State=UNKNOWN")
         else:  # one host each: its own address, the same port
             nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr={self.hosts.address(self._host(n))} "
-                              f"Port={self.node_port} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN"
+                              f"Port={self.node_port} CPUs={self.cpus} RealMemory=4000{gres} State=UNKNOWN"
                               for n in self.nodes)
-        self.conf.write_text(f"""ClusterName=phxtest
+        if self.gpus:  # Slurm wants a GPU to be a device file; /dev/null's numbers do (nothing opens them)
+            devices = self.root / "dev"
+            devices.mkdir(exist_ok=True)
+            for i in range(self.gpus):
+                path = devices / f"nvidia{i}"
+                if not path.exists():
+                    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            (self.root / "gres.conf").write_text(f"Name=gpu File={devices}/nvidia[0-{self.gpus - 1}]\n")
+        self.conf.write_text(f"""{"GresTypes=gpu" if self.gpus else ""}
+ClusterName=phxtest
 SlurmctldHost={host}({self.here})
 SlurmctldPort={self.ctld_port}
 AuthType=auth/munge

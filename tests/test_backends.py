@@ -244,6 +244,14 @@ def test_the_slurm_backend_asks_for_one_exclusive_allocation_and_names_it(tmp_pa
                    "--comment=phalanx cluster c1 group workers"):
         assert wanted in opts, (wanted, opts)
     assert opts[opts.index("--nodes") + 1] == "3" and opts[opts.index("--job-name") + 1] == "phalanx-c1"
+    asks = lambda opts: [o for o in opts if o.startswith(("--gres", "--gpus"))]  # noqa: E731
+    assert not asks(opts), "a CPU instance type asks for no GPUs"
+    gpu = {"name": "workers", "instance_type": "gpu.8", "count": 2, "spares": 0}
+    assert "--gres=gpu:8" in allocation_options(spec_from_dict({"name": "c1", "backend": "slurm",
+                                                                "instance_groups": [gpu]}), "workers", 2)
+    own = spec_from_dict({"name": "c1", "backend": "slurm", "instance_groups": [gpu],
+                          "slurm": {"sbatch_options": ["--gpus-per-node=h100:8"]}})
+    assert asks(allocation_options(own, "workers", 2)) == ["--gpus-per-node=h100:8"]
     store.update_cluster(api_host="198.18.0.2", api_port=8123)
     script = backend.batch_script("workers", 3)
     assert "srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --whole --nodes 3 " in script

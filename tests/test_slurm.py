@@ -15,6 +15,8 @@ Drills, end to end with real processes:
   trains a restart job on a cluster inside its allocation; its batch host dies (slurmd and every process of
   the batch step killed, the node marked down): Slurm requeues the job, the script starts again on the
   remaining nodes, removes the cluster its first run left, and the job resumes from its checkpoint to the end.
+- a GPU instance type's allocation holds the nodes' GPUs (`--gres=gpu:N`; the test Slurm's GPUs are device files
+  standing in), its agents' step and workers see them (CUDA_VISIBLE_DEVICES); more GPUs than a node has are refused.
 - bad input and bad weather get one clear error and leave nothing behind: no Slurm commands on PATH,
   slurmctld unreachable, an unknown partition, an allocation pending past its timeout (squeue's reason).
 
@@ -43,6 +45,7 @@ from test_hosts import STEPS, config_for, reference  # noqa: F401  (reference is
 from test_jobs import step_at_least, write_config
 
 pytestmark = pytest.mark.slow
+GPUS_PER_NODE = 2  # what slurm.conf gives every node (Gres=gpu:2, device files standing in for the GPUs)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def slurm_daemons(tmp_path_factory):
         pytest.fail(f"the Slurm tests need a real Slurm on network namespaces: {why} (`make test` installs it "
                     "when run as root)")
     hosts = Hosts(4, tag=f"s{os.getpid() % 10000}").up()
-    s = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=4, hosts=hosts)
+    s = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=4, hosts=hosts, gpus=GPUS_PER_NODE)
     try:
         s.start()
         yield s
@@ -85,12 +88,13 @@ def slurm(slurm_daemons, home, monkeypatch):
     assert not tracebacks, "\n".join(tracebacks)  # a controller error must not pass silently
 
 
-def create(tmp_path: Path, name: str = "c1", *, count: int = 2, spares: int = 1, **slurm_settings) -> ClusterClient:
+def create(tmp_path: Path, name: str = "c1", *, count: int = 2, spares: int = 1, instance_type: str = "local.cpu-1",
+           **slurm_settings) -> ClusterClient:
     """A cluster whose controller runs here, listening where the nodes' hosts reach it (`LocalSlurm.here`)."""
     spec = tmp_path / f"{name}.yaml"
     spec.write_text(yaml.safe_dump({
         "name": name, "backend": "slurm", "api": {"host": os.environ["PHALANX_TEST_API_HOST"]},
-        "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares}],
+        "instance_groups": [{"name": "workers", "instance_type": instance_type, "count": count, "spares": spares}],
         "health": {"heartbeat_timeout_s": 4.0, "hang_timeout_s": 60.0},
         "slurm": {"work_root": str(tmp_path / "agents"), **slurm_settings}}))
     create_cluster(spec, timeout_s=120)
@@ -170,6 +174,36 @@ def test_a_restart_job_moves_off_a_node_an_operator_drains(tmp_path, slurm, demo
     faulty = next(e for e in client.events(node=victim) if e.get("to_state") == "faulty")
     assert f"Slurm node {host} is drain" in faulty["reason"] and "bad DIMM (operator)" in faulty["reason"], faulty
     assert slurm.node_reason(host) == "bad DIMM (operator)"  # the operator's reason is not overwritten
+
+
+def test_a_gpu_instance_type_gets_its_gpus_from_slurm(tmp_path, slurm, monkeypatch):
+    """A group of a GPU instance type (gpu.2: 2 GPUs, one worker each) asks Slurm for the GPUs (`--gres=gpu:2`):
+    the allocation holds them, the agents' step sees them (Slurm sets CUDA_VISIBLE_DEVICES), the agent's GPU check
+    counts them (NVML stood in for by tests/fake_nvml, which counts what CUDA_VISIBLE_DEVICES lists: without the
+    GPUs the node would fail its check), and each worker runs with them visible and its LOCAL_RANK choosing one.
+    An instance type with more GPUs than the nodes have is refused before anything starts."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(Path(__file__).parent / "fake_nvml"),
+                                                                 os.environ.get("PYTHONPATH")) if p))
+    client = create(tmp_path, "g1", count=1, spares=0, instance_type="gpu.2")
+    (alloc,) = slurm.jobs()
+    shown = slurm.run("scontrol", "-d", "show", "job", alloc["id"]).stdout  # -d: which GPUs each node gave
+    assert f"TresPerNode=gres:gpu:{GPUS_PER_NODE}" in shown and "gpu:2(IDX:0-1)" in shown, shown
+    (node,) = client.nodes()
+    checks = {c["name"]: c for c in node["health"]["checks"]}
+    assert checks["gpu.count"]["status"] == "pass" and "2 GPUs visible (expected 2)" in checks["gpu.count"]["detail"]
+    jobs, seen = JobClient("g1"), tmp_path / "seen"
+    jobs.submit(command=["sh", "-c", f'echo "$LOCAL_RANK $CUDA_VISIBLE_DEVICES" > {seen}-$RANK'], nodes=1, name="env")
+    assert jobs.wait("env", timeout_s=60)["state"] == "succeeded"
+    assert [(tmp_path / f"seen-{r}").read_text().split() for r in range(2)] == [["0", "0,1"], ["1", "0,1"]]
+    delete_cluster("g1", timeout_s=30)
+    wait_for(lambda: not [j for j in slurm.jobs() if j["state"] != "COMPLETING"], 15, "g1's allocation to end")
+
+    with pytest.raises(ClusterRefused, match=r"\(1 node: count 1 \+ spares 0, GPUs per node 4 \(--gres=gpu:4\)\): "
+                                             r"sbatch: .*Requested node configuration is not available.*an "
+                                             r"instance_type whose GPU count \(4 for gpu\.4\) the partition's nodes "
+                                             r"have"):
+        create(tmp_path, "g2", count=1, spares=0, instance_type="gpu.4")
+    assert list_clusters() == [] and not [j for j in slurm.jobs() if j["state"] != "COMPLETING"]
 
 
 def test_bad_slurm_input_and_weather_get_one_clear_error_and_leave_nothing(tmp_path, slurm, monkeypatch):

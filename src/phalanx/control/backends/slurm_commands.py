@@ -56,7 +56,17 @@ def allocation_options(spec: ClusterSpec, group: str, nodes: int) -> list[str]:
         opts.append(f"--partition={s.partition}")
     if s.account:
         opts.append(f"--account={s.account}")
-    return opts + list(s.sbatch_options)
+    gres = gpu_request(spec, group)
+    return opts + ([gres] if gres else []) + list(s.sbatch_options)
+
+
+def gpu_request(spec: ClusterSpec, group: str) -> str | None:
+    """`--gres=gpu:N` for a group whose instance type has N GPUs (one per worker), unless slurm.sbatch_options
+    already ask for GPUs their own way (`--gres`, `--gpus...`, `-G`). The agents' `srun` step then holds the
+    node's GPUs and Slurm sets CUDA_VISIBLE_DEVICES for it; each worker takes `cuda:LOCAL_RANK` among them."""
+    gpus = spec.group(group).profile.gpus
+    own = any(o.startswith(("--gres", "--gpus", "-G")) for o in spec.slurm_settings.sbatch_options)
+    return f"--gres=gpu:{gpus}" if gpus and not own else None
 
 
 def preflight(spec: ClusterSpec) -> None:
@@ -76,12 +86,17 @@ def preflight(spec: ClusterSpec) -> None:
         try:
             slurm("sbatch", "--test-only", *allocation_options(spec, g.name, n), "--wrap", "true", timeout=15)
         except SlurmError as err:
+            gres = gpu_request(spec, g.name)
             where = ", ".join(f"{k} {v}" for k, v in (("partition", spec.slurm_settings.partition),
-                                                         ("account", spec.slurm_settings.account)) if v)
-            raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({n} nodes: "
+                                                         ("account", spec.slurm_settings.account),
+                                                         ("GPUs per node", gres and f"{g.profile.gpus} ({gres})"))
+                              if v)
+            gpus = (f", or an instance_type whose GPU count ({g.profile.gpus} for {g.instance_type}) the "
+                    f"partition's nodes have (their Gres=gpu:N in slurm.conf)") if gres else ""
+            raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({n} node{'s' if n != 1 else ''}: "
                              f"count {g.count} + spares {g.spares}{', ' + where if where else ''}): {err}. Fix "
                              f"slurm.partition, slurm.account, slurm.sbatch_options or the group's count/spares"
-                             ) from None
+                             f"{gpus}") from None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""A stand-in for NVML (nvidia-ml-py's `pynvml`) on machines without NVIDIA GPUs, for the agents of the Slurm GPU
+test (put on their PYTHONPATH): it reports the GPUs that CUDA_VISIBLE_DEVICES lists, which Slurm sets for a step
+that holds the node's GPUs (tests/slurm.py's fake GPU devices). Real NVML ignores CUDA_VISIBLE_DEVICES; here it
+is how the agent's GPU check can tell whether Slurm gave its step the GPUs. No ECC errors, no XID events.
+"""
+
+import os
+
+
+class NVMLError(Exception):
+    pass
+
+
+class NVMLError_Timeout(NVMLError):  # noqa: N801 - pynvml's name
+    pass
+
+
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, nvmlEventTypeXidCriticalError = 1, 0, 8
+
+
+def nvmlInit():  # noqa: N802
+    pass
+
+
+def nvmlDeviceGetCount():  # noqa: N802
+    return len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()])
+
+
+def nvmlDeviceGetHandleByIndex(i):  # noqa: N802
+    return i
+
+
+def nvmlEventSetCreate():  # noqa: N802
+    return "events"
+
+
+def nvmlDeviceRegisterEvents(handle, kind, events):  # noqa: N802
+    pass
+
+
+def nvmlDeviceGetTotalEccErrors(handle, kind, counter):  # noqa: N802
+    return 0
+
+
+def nvmlEventSetWait_v2(events, timeout_ms):  # noqa: N802
+    raise NVMLError_Timeout()
