@@ -93,7 +93,8 @@ def preflight(spec: ClusterSpec) -> None:
                               if v)
             gpus = (f", or an instance_type whose GPU count ({g.profile.gpus} for {g.instance_type}) the "
                     f"partition's nodes have (their Gres=gpu:N in slurm.conf)") if gres else ""
-            raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({n} node{'s' if n != 1 else ''}: "
+            nodes = f"{n} node{'s' if n != 1 else ''}"
+            raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({nodes}: "
                              f"count {g.count} + spares {g.spares}{', ' + where if where else ''}): {err}. Fix "
                              f"slurm.partition, slurm.account, slurm.sbatch_options or the group's count/spares"
                              f"{gpus}") from None
