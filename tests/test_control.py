@@ -222,6 +222,7 @@ def test_gpu_checks_map_count_ecc_and_xids_to_actions(monkeypatch):
     node; an application-level XID (13, 31, 43, …) only restarts the job; XIDs are reported once."""
     nvml = FakeNvml(count=8)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # every GPU of the host is the workers'
     gpu = GpuMonitor(8, "gpu.8")
     assert [(c.name, c.status) for c in gpu.check()] == [("gpu.count", "pass"), ("gpu.ecc", "pass"),
                                                          ("gpu.xid", "pass")]
@@ -238,6 +239,15 @@ def test_gpu_checks_map_count_ecc_and_xids_to_actions(monkeypatch):
     nvml.count = 7
     short = GpuMonitor(8, "gpu.8").check()[0]
     assert (short.status, short.action) == ("fail", REPLACE_NODE) and "7 GPUs visible" in short.detail
+    # NVML sees the host's 8; a step that Slurm gave 2 of them leaves 6 of gpu.8's workers without one
+    nvml.count, nvml.ecc = 8, {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    (count, visible) = GpuMonitor(8, "gpu.8").check()[:2]
+    assert count.status == "pass" and (visible.name, visible.status, visible.action) == ("gpu.visible", "fail",
+                                                                                       REPLACE_NODE)
+    assert "may use 2 GPUs (CUDA_VISIBLE_DEVICES='0,1'" in visible.detail and "at most 2 GPUs" in visible.detail
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert GpuMonitor(8, "gpu.8").check()[1].status == "pass"
     assert restart_job_failures(report([xid_check([31])]), since=0)[0]["detail"] == \
         "XID [31]: application-level fault"
     assert restart_job_failures(report([xid_check([31])]), since=time.time() + 60) == [], "an older report"

@@ -178,12 +178,13 @@ def test_a_restart_job_moves_off_a_node_an_operator_drains(tmp_path, slurm, demo
 
 def test_a_gpu_instance_type_gets_its_gpus_from_slurm(tmp_path, slurm, monkeypatch):
     """A group of a GPU instance type (gpu.2: 2 GPUs, one worker each) asks Slurm for the GPUs (`--gres=gpu:2`):
-    the allocation holds them, the agents' step sees them (Slurm sets CUDA_VISIBLE_DEVICES), the agent's GPU check
-    counts them (NVML stood in for by tests/fake_nvml, which counts what CUDA_VISIBLE_DEVICES lists: without the
-    GPUs the node would fail its check), and each worker runs with them visible and its LOCAL_RANK choosing one.
-    An instance type with more GPUs than the nodes have is refused before anything starts."""
+    the allocation holds them, the agents' step sees them (Slurm sets CUDA_VISIBLE_DEVICES) and the agent's GPU
+    check finds one for each worker (NVML stood in for by tests/fake_nvml), and each worker runs with them visible
+    and its LOCAL_RANK choosing one. A step given fewer GPUs than the type has workers fails the node's check,
+    saying so; an instance type with more GPUs than the nodes have is refused before anything starts."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(Path(__file__).parent / "fake_nvml"),
                                                                  os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FAKE_NVML_GPUS", str(GPUS_PER_NODE))  # what NVML sees on every host
     client = create(tmp_path, "g1", count=1, spares=0, instance_type="gpu.2")
     (alloc,) = slurm.jobs()
     shown = slurm.run("scontrol", "-d", "show", "job", alloc["id"]).stdout  # -d: which GPUs each node gave
@@ -191,6 +192,8 @@ def test_a_gpu_instance_type_gets_its_gpus_from_slurm(tmp_path, slurm, monkeypat
     (node,) = client.nodes()
     checks = {c["name"]: c for c in node["health"]["checks"]}
     assert checks["gpu.count"]["status"] == "pass" and "2 GPUs visible (expected 2)" in checks["gpu.count"]["detail"]
+    assert checks["gpu.visible"] == {**checks["gpu.visible"], "status": "pass",
+                                     "detail": "2 GPUs for the workers (CUDA_VISIBLE_DEVICES=0,1)"}
     jobs, seen = JobClient("g1"), tmp_path / "seen"
     jobs.submit(command=["sh", "-c", f'echo "$LOCAL_RANK $CUDA_VISIBLE_DEVICES" > {seen}-$RANK'], nodes=1, name="env")
     assert jobs.wait("env", timeout_s=60)["state"] == "succeeded"
@@ -198,6 +201,11 @@ def test_a_gpu_instance_type_gets_its_gpus_from_slurm(tmp_path, slurm, monkeypat
     delete_cluster("g1", timeout_s=30)
     wait_for(lambda: not [j for j in slurm.jobs() if j["state"] != "COMPLETING"], 15, "g1's allocation to end")
 
+    with pytest.raises(CreateFailed, match=r"gpu\.visible: this agent's workers may use 1 GPUs \(CUDA_VISIBLE_DEVICES="
+                                           r"'\d'; .* instance type gpu\.2 runs 2 workers"):
+        create(tmp_path, "g3", count=1, spares=0, instance_type="gpu.2", sbatch_options=["--gres=gpu:1"])
+    wait_for(lambda: not [j for j in slurm.jobs() if j["state"] != "COMPLETING"], 15, "g3's allocation to end")
+    delete_cluster("g3", timeout_s=30)  # the failed cluster's record (its logs) stays until deleted
     with pytest.raises(ClusterRefused, match=r"\(1 node: count 1 \+ spares 0, GPUs per node 4 \(--gres=gpu:4\)\): "
                                              r"sbatch: .*Requested node configuration is not available.*an "
                                              r"instance_type whose GPU count \(4 for gpu\.4\) the partition's nodes "

@@ -1,7 +1,6 @@
 """A stand-in for NVML (nvidia-ml-py's `pynvml`) on machines without NVIDIA GPUs, for the agents of the Slurm GPU
-test (put on their PYTHONPATH): it reports the GPUs that CUDA_VISIBLE_DEVICES lists, which Slurm sets for a step
-that holds the node's GPUs (tests/slurm.py's fake GPU devices). Real NVML ignores CUDA_VISIBLE_DEVICES; here it
-is how the agent's GPU check can tell whether Slurm gave its step the GPUs. No ECC errors, no XID events.
+test (put on their PYTHONPATH): the host has FAKE_NVML_GPUS GPUs (tests/slurm.py's device files standing in for
+them). Like real NVML it sees all of them, whatever CUDA_VISIBLE_DEVICES says. No ECC errors, no XID events.
 """
 
 import os
@@ -23,7 +22,7 @@ def nvmlInit():  # noqa: N802
 
 
 def nvmlDeviceGetCount():  # noqa: N802
-    return len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()])
+    return int(os.environ.get("FAKE_NVML_GPUS", "0"))
 
 
 def nvmlDeviceGetHandleByIndex(i):  # noqa: N802

@@ -5,7 +5,9 @@
             judges each exit from the heartbeat's worker reports)
 - gpu:      via NVML when `pynvml` is importable: device count vs the instance type, uncorrected ECC
             errors, and XID events, mapped to an action the way HyperPod maps them (replace the node, or
-            only restart the job). Skipped with a reason when the instance type expects no GPUs.
+            only restart the job); where CUDA_VISIBLE_DEVICES limits what this agent's workers may use (Slurm
+            sets it for a step that holds GPUs), enough of them for one worker per GPU. Skipped with a reason
+            when the instance type expects no GPUs.
 - deep:     not here: a timed all_reduce across nodes needs the controller to pair them
             (`deep_check.py`); its verdict is the node's transition to healthy or faulty.
 
@@ -16,6 +18,7 @@ nothing about HTTP or the controller.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -119,7 +122,7 @@ class GpuMonitor:
         if self._nvml is None:
             return [Check("gpu", "fail", f"instance type {self.instance_type} expects {self.expected} GPUs but "
                                          f"{self._init_error}", REPLACE_NODE)]
-        return [self._count(), self._ecc(), self._xids()]
+        return [self._count(), *self._visible(), self._ecc(), self._xids()]
 
     def _count(self) -> Check:
         n = len(self._handles)
@@ -127,6 +130,23 @@ class GpuMonitor:
             return Check("gpu.count", "fail", f"{n} GPUs visible, instance type {self.instance_type} expects "
                                               f"{self.expected}", REPLACE_NODE)
         return Check("gpu.count", "pass", f"{n} GPUs visible (expected {self.expected})")
+
+    def _visible(self) -> list[Check]:
+        """NVML sees every GPU of the host; the workers see only those CUDA_VISIBLE_DEVICES lists (when set: what
+        Slurm gave the agents' step), and worker i takes the i-th. Fewer than the instance type's workers: the
+        last ones would fail at start, so the node fails here, saying how to fix it."""
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if listed is None:
+            return []
+        n = len([d for d in listed.split(",") if d.strip()])
+        if n < self.expected:
+            return [Check("gpu.visible", "fail", f"this agent's workers may use {n} GPUs (CUDA_VISIBLE_DEVICES="
+                                                 f"{listed!r}; under Slurm, what the allocation gave the step) but "
+                                                 f"instance type {self.instance_type} runs {self.expected} workers, "
+                                                 f"one per GPU: ask Slurm for {self.expected} GPUs per node (leave "
+                                                 f"the GPU request out of slurm.sbatch_options) or choose an "
+                                                 f"instance type of at most {n} GPUs", REPLACE_NODE)]
+        return [Check("gpu.visible", "pass", f"{n} GPUs for the workers (CUDA_VISIBLE_DEVICES={listed})")]
 
     def _ecc(self) -> Check:
         nv, bad, unsupported = self._nvml, {}, 0
