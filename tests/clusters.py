@@ -76,3 +76,16 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def story(info: dict) -> list[str]:
+    """A job's generations as a failure message reads them: outcome, size, why it ended, its faults."""
+    return [f"generation {g['generation']} on {len(g['nodes'])} nodes: {g['outcome']} ({g['end_reason']}); faults "
+            f"{[f.get('detail') for f in g['faults']]}" for g in info["generations"]]
+
+
+def generations(info: dict, count: int) -> list[dict]:
+    """A job's generations, asserted to be `count` of them; a failure says how each one ended."""
+    gens = info["generations"]
+    assert len(gens) == count, f"{len(gens)} generations, expected {count}:\n" + "\n".join(story(info))
+    return gens

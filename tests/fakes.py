@@ -251,6 +251,7 @@ class FakeAgent:
         self.assigned: dict[tuple[str, int], dict] = {}  # (job, generation) → the assignment last received
         self.standbys: dict[int, str] = {}  # local rank → warm standby id
         self.deep_result: dict | None = None
+        self.time_limit_warned_at: float | None = None  # Slurm's USR2 reached this agent (`node_agent`)
         self.reply_sent_at: float | None = None
         self.replies: list[dict] = []
         self.exited = False
@@ -294,7 +295,8 @@ class FakeAgent:
                 "lifecycle": self.lifecycle, "health": self.health,
                 "sent_at": self.clock(), "workers": [w.as_report() for w in self.workers.values()],
                 "reply_sent_at": self.reply_sent_at, "deep_check": self.deep_result,
-                "standbys": {str(k): v for k, v in self.standbys.items()}}
+                "standbys": {str(k): v for k, v in self.standbys.items()},
+                **({"time_limit_warned_at": self.time_limit_warned_at} if self.time_limit_warned_at else {})}
 
     def handle_reply(self, reply: dict | None, body: dict) -> None:
         """`node_agent.handle_reply`. None: the controller answered 410 (terminated, or another agent's node)."""

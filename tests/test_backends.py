@@ -356,3 +356,54 @@ def test_a_job_short_of_nodes_past_spare_timeout_is_requeued_until_max_requeues(
         assert calls == [("cancel", "1"), ("scontrol", "requeue", "42")] and "requeueing Slurm job 42" in said[-1]
     else:
         assert calls == [] and "already requeued 3 times" in said[-1] and "exit 3 (do not requeue)" in said[-1]
+
+
+@pytest.mark.parametrize("saves", [True, False])
+def test_slurms_time_limit_warning_checkpoints_the_job_then_requeues_without_counting_a_failure(
+        monkeypatch, tmp_path, saves):
+    """`cluster up --slurm --run` warned by Slurm (USR2) before the time limit: the job is asked for a checkpoint
+    (waited for at most slurm.time_limit_checkpoint_s), cancelled, the allocation requeued (exit 75) and the
+    requeue counted as one at the time limit, which slurm.max_requeues does not cap. A checkpoint that does not
+    come in time does not stop the requeue: the next run resumes from the newest one."""
+    import threading
+
+    from phalanx.control.client import slurm_up
+    from phalanx.control.client.jobs import JobError
+
+    monkeypatch.setenv("PHALANX_HOME", str(tmp_path))
+    calls = []
+
+    class Jobs:
+        def __init__(self, name):
+            pass
+
+        def submit(self, config, **kw):
+            return {"id": "1", "nodes_requested": kw["nodes"], "recovery": "restart"}
+
+        def describe(self, job):
+            return {"state": "running", "generation": 1, "last_step": 12, "reason": None}
+
+        def checkpoint(self, job, timeout_s):
+            calls.append(("checkpoint", job, timeout_s))
+            if not saves:
+                raise TimeoutError("job 1 saved no checkpoint after step 12 within 30 s of the request")
+            return {"job": job, "step": 12, "request": 5, "saved": {"step": 13, "time": 0.0, "request": 5}}
+
+        def cancel(self, job, wait):
+            calls.append(("cancel", job))
+
+    monkeypatch.setattr(slurm_up, "JobClient", Jobs)
+    monkeypatch.setattr(slurm_up, "slurm", lambda *argv, **kw: calls.append(argv) or "")
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2}
+    spec = spec_from_dict({"name": "c1", "backend": "slurm", "instance_groups": [group],
+                           "slurm": {"allocation": "42", "time_limit_checkpoint_s": 30, "max_requeues": 0}})
+    warned, at_time_limit, said = threading.Event(), slurm_up.TimeLimitRequeues("c1", "42"), []
+    warned.set()
+    assert slurm_up._train(spec, "train.yaml", None, None, said.append, 0, warned, at_time_limit) == 75
+    assert calls == [("checkpoint", "1", 30.0), ("cancel", "1"), ("scontrol", "requeue", "42")], calls
+    assert ("job 1: checkpoint of step 13 committed" if saves else
+            "no checkpoint after the warning (job 1 saved no checkpoint") in "\n".join(said), said
+    assert "not counted against slurm.max_requeues" in said[-1]
+    assert at_time_limit.count() == 1 and slurm_up.TimeLimitRequeues("c1", "42").count() == 1  # kept on disk
+    at_time_limit.forget()
+    assert at_time_limit.count() == 0

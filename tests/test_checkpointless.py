@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from clusters import home, wait_for  # noqa: F401  (home is a fixture)
+from clusters import generations, home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import run_training, tiny_config
 from phalanx import protocol
 from phalanx.control.client.cluster import ClusterClient, create_cluster
@@ -97,7 +97,7 @@ def test_killed_node_recovers_from_peers_memory_with_the_same_loss_at_every_step
     info = jobs.wait("cl", timeout_s=180)
 
     assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
-    first, second = info["generations"]
+    first, second = generations(info, 2)
     assert first["outcome"] == "node-fault" and second["outcome"] == "succeeded"
     assert second["nodes"] == [n if n != victim else "workers-4" for n in first["nodes"]]
     # the survivors are the same processes; rank 1 is the spare's warm standby, adopted
@@ -153,7 +153,7 @@ def test_a_node_judged_faulty_while_its_worker_lives_is_replaced_without_waiting
     info = jobs.wait("alive", timeout_s=180)
 
     assert info["state"] == "succeeded" and info["last_step"] == steps, info["reason"]
-    first, second = info["generations"]
+    first, second = generations(info, 2)
     assert first["outcome"] == "node-fault" and victim not in second["nodes"], (first, second)
     before, after = pids_by_rank(info, 1), pids_by_rank(info, 2)
     assert {r: after[r] for r in (0, 2, 3)} == {r: before[r] for r in (0, 2, 3)}, "the survivors kept their pids"
@@ -201,7 +201,7 @@ def test_a_worker_dying_at_any_moment_of_a_step_continues_exactly(tmp_path, home
         where = f"{layout}, rank {drill['rank']} killed during {drill['at']} of step {drill['step']}"
         assert info["state"] == "succeeded" and info["last_step"] == STEPS, (where, info["reason"])
         assert len(info["generations"]) == 2, (where, [(g["outcome"], g["end_reason"]) for g in info["generations"]])
-        first, second = info["generations"]
+        first, second = generations(info, 2)
         assert first["outcome"] == "process-fault", (where, first)
         assert second["nodes"] == first["nodes"], "a process fault keeps the node: the rank restarts there"
         events = assert_same_losses(run_dir, reference[layout], where)
@@ -309,7 +309,7 @@ def test_a_collective_broken_by_the_network_regroups_every_process_in_place(tmp_
     info = jobs.wait("net", timeout_s=180)
 
     assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
-    first, second = info["generations"]
+    first, second = generations(info, 2)
     assert first["outcome"] == "stranded" and "left generation 1" in first["end_reason"], first
     assert second["nodes"] == first["nodes"] and pids_by_rank(info, 2) == pids_by_rank(info, 1), \
         "every process carried on into generation 2"

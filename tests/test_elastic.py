@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clusters import home, wait_for  # noqa: F401  (home is a fixture)
+from clusters import home, story, wait_for  # noqa: F401  (home is a fixture)
 from conftest import run_training, tiny_config
 from phalanx.control.client.cluster import create_cluster
 from phalanx.control.client.jobs import JobClient
@@ -42,12 +42,6 @@ def elastic_config(run_dir: Path, data: Path, max_steps: int = STEPS, dp_shard: 
 def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in lines if "event" not in r], [r for r in lines if "event" in r]
-
-
-def story(info: dict) -> list[str]:
-    """The job's generations as a failure message reads them: outcome, size, why it ended, its faults."""
-    return [f"generation {g['generation']} on {len(g['nodes'])} nodes: {g['outcome']} ({g['end_reason']}); faults "
-            f"{[f.get('detail') for f in g['faults']]}" for g in info["generations"]]
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

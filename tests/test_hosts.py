@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusters import home, wait_for  # noqa: F401  (home is a fixture)
+from clusters import generations, home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import run_training, tiny_config
 from netns import Hosts
 from phalanx.control.client.cluster import ClusterClient, delete_cluster
@@ -103,11 +103,11 @@ def host_of(client: ClusterClient, hosts: Hosts, node: str) -> str:
     return next(h for h in hosts.hosts if hosts.address(h) == address)
 
 
-def config_for(run_dir: Path, data: Path, recovery: str):
+def config_for(run_dir: Path, data: Path, recovery: str, steps: int = STEPS):
     resilience = {"recovery": recovery, "regroup_timeout_s": 60.0, "recovery_timeout_s": 120.0}
     return tiny_config(run_dir, data, parallel=REPLICAS, resilience=resilience,
-                       training={"max_steps": STEPS, "log_interval": 8},
-                       lr_schedule={"warmup_steps": 3, "total_steps": STEPS}, checkpoint={"interval": 5, "keep": 10})
+                       training={"max_steps": steps, "log_interval": 8},
+                       lr_schedule={"warmup_steps": 3, "total_steps": steps}, checkpoint={"interval": 5, "keep": 10})
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_a_checkpointless_job_survives_a_killed_host(tmp_path, hosts, demo_data,
     info = jobs.wait("cl", timeout_s=180)
 
     assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
-    gen1, gen2 = info["generations"]
+    gen1, gen2 = generations(info, 2)
     assert gen1["outcome"] == "node-fault" and gen2["outcome"] == "succeeded"
     assert gen2["nodes"][0] == gen1["nodes"][0] and gen2["nodes"][1] not in gen1["nodes"]
     before, after = pids_by_rank(info, 1), pids_by_rank(info, 2)

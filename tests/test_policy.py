@@ -679,6 +679,33 @@ def test_cancel_stops_the_generation_and_frees_its_nodes(make):
     assert c.job(nxt.id).nodes == ["workers-0", "workers-1"]
 
 
+def test_slurms_time_limit_warning_relayed_by_the_agents_asks_the_training_job_for_one_checkpoint(make):
+    """Every node of an allocation gets Slurm's USR2 before its time limit, and each agent relays it in every
+    heartbeat: the training job on those nodes is asked for a checkpoint once (its generation's request key),
+    a spare's warning asks nothing, and a warning a minute later (another allocation's) asks again."""
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)  # (a train job)
+    running(c, job.id, 1)
+    key = protocol.checkpoint_request_key(job.id, 1)
+    asked = lambda: [e for e in c.events(job=job.id) if e["kind"] == "checkpoint-requested"]  # noqa: E731
+    c.agents["workers-2"].time_limit_warned_at = c.clock()  # the spare: no job runs there
+    c.steps(2)
+    assert key not in c.rendezvous.data and not asked()
+    for name in ("workers-0", "workers-1"):
+        c.agents[name].time_limit_warned_at = c.clock()
+    c.steps(3)
+    (event,) = asked()
+    assert "Slurm's warning before the time limit of node workers-0's allocation" in event["reason"], event
+    first = int(c.rendezvous.data[key])
+    c.clock.advance(61)
+    c.agents["workers-1"].time_limit_warned_at = c.clock()
+    c.steps(2)
+    assert len(asked()) == 2 and int(c.rendezvous.data[key]) >= first
+    cmd = c.submit(nodes=1)  # a command job is not asked (Phalanx does not know how it saves)
+    with pytest.raises(JobRequestError, match="runs a command: Phalanx checkpoints training jobs only"):
+        c.jobs.request_checkpoint(cmd.id)
+
+
 def test_a_controller_restart_leaves_the_running_job_and_its_progress_alone(make):
     c = make(count=2, spares=0).create()
     job = c.submit(nodes=2, auto_resume=True)

@@ -9,12 +9,16 @@ Drills, end to end with real processes:
   job carries on on the spare with the same loss at every step as a run without faults, the survivor's state
   carried in its memory (it cuts its connections to the dead host once the next generation is out); the dead node is drained with the fault as
   Slurm's reason; a one-node job refills the spare pool on the free node.
-- an operator drains a node a restart job trains on: Phalanx replaces it (fault `scheduler`), the job resumes
-  from its checkpoint on the spare, and the operator's reason stays as it was.
-- the recipe's two-line batch script (`sbatch recipes/slurm/run.sbatch`: `phalanx cluster up --slurm --run`)
-  trains a restart job on a cluster inside its allocation; its batch host dies (slurmd and every process of
-  the batch step killed, the node marked down): Slurm requeues the job, the script starts again on the
-  remaining nodes, removes the cluster its first run left, and the job resumes from its checkpoint to the end.
+- Slurm warns the allocation of its time limit (USR2): its agents relay it and the controller asks the restart
+  job there for a checkpoint between its intervals; then an operator drains a node the job trains on: Phalanx
+  replaces it (fault `scheduler`), the job resumes from its checkpoint on the spare, and the operator's reason
+  stays as it was.
+- the recipe's batch script (`sbatch recipes/slurm/run.sbatch`: `phalanx cluster up --slurm --run`) trains a
+  restart job on a cluster inside its allocation. Slurm's warning before the time limit (USR2) makes it
+  checkpoint the job between its intervals and requeue the allocation; the next run goes on from that step.
+  Then its batch host dies (slurmd and every process of the batch step killed, the node marked down): Slurm
+  requeues the job, the script starts again on the remaining nodes, removes the cluster the run before left,
+  and the job resumes from its checkpoint to the end.
 - a GPU instance type's allocation holds the nodes' GPUs (`--gres=gpu:N`; the test Slurm's GPUs are device files
   standing in), its agents' step and workers see them (CUDA_VISIBLE_DEVICES); more GPUs than a node has are refused.
 - bad input and bad weather get one clear error and leave nothing behind: no Slurm commands on PATH,
@@ -27,14 +31,16 @@ when Slurm cannot be brought up.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from clusters import home, keep_for_debugging, wait_for  # noqa: F401  (home is a fixture)
+from clusters import generations, home, keep_for_debugging, wait_for  # noqa: F401  (home is a fixture)
 from phalanx.control.client.cluster import ClusterClient, ClusterRefused, CreateFailed, create_cluster, delete_cluster
 from phalanx.control.client.jobs import JobClient
 from phalanx.control.state.paths import ClusterPaths, list_clusters
@@ -134,7 +140,7 @@ def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(t
     info = jobs.wait("cl", timeout_s=180)
 
     assert info["state"] == "succeeded" and info["last_step"] == STEPS, info["reason"]
-    gen1, gen2 = info["generations"]
+    gen1, gen2 = generations(info, 2)
     survivor = next(n for n in gen1["nodes"] if n != victim)
     assert gen1["outcome"] == "node-fault" and survivor in gen2["nodes"] and victim not in gen2["nodes"], info
     events = assert_same_losses(run_dir, reference, "a Slurm node killed")
@@ -159,7 +165,14 @@ def test_a_restart_job_moves_off_a_node_an_operator_drains(tmp_path, slurm, demo
                 auto_resume=True, name="rs")
     step_at_least(jobs, "rs", 12, timeout=120)
     victim = jobs.describe("rs")["generations"][0]["nodes"][1]
-    host = place(next(n for n in client.nodes() if n["name"] == victim))[1]
+    allocation, host, _ = place(next(n for n in client.nodes() if n["name"] == victim))
+    # Slurm's warning before the allocation's time limit (its --signal=B:USR2@120, sent now): the batch script's
+    # srun passes it to the agents, which tell the controller; it asks the job for a checkpoint between intervals
+    slurm.run("scancel", "--batch", "--signal=USR2", allocation)
+    asked = wait_for(lambda: (c := jobs.describe("rs").get("last_checkpoint")) and c.get("requested") and c, 60,
+                     "the checkpoint the time-limit warning asked for")
+    assert any("Slurm's warning before the time limit of node" in e["reason"] for e in client.events()
+               if e["kind"] == "checkpoint-requested")
     slurm.run("scontrol", "update", f"nodename={host}", "state=drain", "reason=bad DIMM (operator)")
     info = jobs.wait("rs", timeout_s=180)
 
@@ -168,7 +181,8 @@ def test_a_restart_job_moves_off_a_node_an_operator_drains(tmp_path, slurm, demo
     assert gen1["outcome"] == "node-fault" and victim not in gen2["nodes"], info["generations"]
     _, events = records(run_dir)
     resumed = [e for e in events if e["event"] == "resumed"]
-    assert resumed and resumed[-1]["step"] >= 5, events  # from a checkpoint the first generation committed
+    assert resumed and resumed[-1]["step"] >= asked["step"], events  # from a checkpoint generation 1 committed
+    assert [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("requested")] == [asked["step"]]
     node = next(n for n in client.nodes() if n["name"] == victim)
     assert node["fault_cause"] == "scheduler", node
     faulty = next(e for e in client.events(node=victim) if e.get("to_state") == "faulty")
@@ -242,56 +256,90 @@ def test_bad_slurm_input_and_weather_get_one_clear_error_and_leave_nothing(tmp_p
     assert [j["id"] for j in slurm.jobs()] == [blocker]  # the pending allocation was cancelled
 
 
-def test_the_recipe_batch_script_trains_in_its_allocation_and_is_requeued_when_its_batch_host_dies(
+def test_the_recipe_batch_script_checkpoints_at_its_time_limit_and_is_requeued_and_again_when_its_batch_host_dies(
         tmp_path, slurm, demo_data):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "slurm"
     shutil.copy(recipe / "run.sbatch", tmp_path / "run.sbatch")
     spec = (recipe / "cluster.yaml").read_text()
     assert "controller_lost_s: 60 " in spec
     (tmp_path / "cluster.yaml").write_text(spec.replace("controller_lost_s: 60 ", "controller_lost_s: 8 "))
-    run_dir = tmp_path / "run"
-    write_config(tmp_path / "train.yaml", config_for(run_dir, demo_data, "restart"))
-    script = (tmp_path / "run.sbatch").read_text().replace("--recovery checkpointless", "--recovery restart")
-    (tmp_path / "run.sbatch").write_text(script)
+    run_dir, steps = tmp_path / "run", 80  # (steps left for the second run to lose its batch host in)
+    write_config(tmp_path / "train.yaml", config_for(run_dir, demo_data, "restart", steps=steps))
+    script = (tmp_path / "run.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR2@120\nexec phalanx cluster up" in script  # the warning reaches `cluster up`
+    (tmp_path / "run.sbatch").write_text(script.replace("--recovery checkpointless", "--recovery restart"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     job = slurm.run("sbatch", "--parsable", "run.sbatch", env=env, cwd=tmp_path).stdout.strip()
     out = tmp_path / f"phalanx-{job}.out"
-    wait_for(lambda: "job 1 submitted" in (out.read_text() if out.exists() else ""), 120, "the job submitted")
-    jobs = JobClient("slurm-demo")
-    step_at_least(jobs, "1", 12, timeout=120)
+    runs = lambda: (out.read_text() if out.exists() else "").count("job 1 submitted")  # noqa: E731
 
-    # the batch host dies: its slurmd and every process of the batch step (the controller with it). Under --no-kill
-    # Slurm only removes the node from the job, which would run on without its script: the agents, their
-    # controller silent for slurm.controller_lost_s, ask for the requeue
+    def explained(wait, *args):
+        try:
+            return wait(*args)
+        except AssertionError as err:  # say what Slurm and the job said
+            job_info = slurm.run("scontrol", "show", "job", job, check=False)
+            raise AssertionError(f"{err}\nsqueue: {slurm.jobs()}\nscontrol show job: {job_info.stdout}"
+                                 f"{job_info.stderr}\nbatch output tail:\n{out.read_text(errors='replace')[-4000:]}"
+                                 ) from None
+
+    def requeued(why: str) -> None:
+        explained(wait_for, lambda: any(j["id"] == job and j["state"] == "PENDING" for j in slurm.jobs()), 60, why)
+        # Eligible now, not after Slurm's 120 s. Not in the second of the requeue: a slurmd refuses a job whose
+        # credential is no newer than its revocation (seconds), and Slurm then ends the job for good
+        time.sleep(2.0)
+
+        def started() -> bool:
+            state = next((j for j in slurm.jobs() if j["id"] == job), {})
+            if state.get("state") == "PENDING" and state.get("reason") == "BeginTime":
+                slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now", check=False)
+            return state.get("state") == "RUNNING"
+
+        explained(wait_for, lambda: started() or time.sleep(1.0), 60, f"{why}: the job running again")
+
+    # Slurm's warning before the time limit, sent now (`scancel --batch` signals the batch shell, as the script's
+    # --signal=B:USR2@120 does): a checkpoint between the intervals (every 5 steps), then the requeue
+    wait_for(lambda: runs() == 1, 120, "the job submitted")
+    step_at_least(JobClient("slurm-demo"), "1", 7, timeout=120)
+    slurm.run("scancel", "--batch", "--signal=USR2", job)
+    requeued("the requeue at the time limit")
+    text = out.read_text()
+    saved = re.search(r"job 1: checkpoint of step (\d+) committed", text)
+    assert "nears its time limit (USR2)" in text and saved, text[-3000:]
+    asked = int(saved[1])
+
+    # the second run goes on from that checkpoint (or a newer one: the job trained on until it was cancelled);
+    # then its batch host dies: its slurmd and every process of the batch step (the controller with it). Under
+    # --no-kill Slurm only removes the node from the job, which would run on without its script: the agents,
+    # their controller silent for slurm.controller_lost_s, ask for the requeue
+    explained(wait_for, lambda: runs() == 2, 120, "the job submitted again")
+    step_at_least(JobClient("slurm-demo"), "1", asked + 15, timeout=120)  # the second run's cluster
     batch_host = slurm.run("squeue", "-h", "-j", job, "-o", "%B").stdout.strip()
     assert slurm.kill_node(batch_host)
     slurm.run("scontrol", "update", f"nodename={batch_host}", "state=down", "reason=host died (test)")
-    try:
-        wait_for(lambda: any(j["id"] == job and j["state"] == "PENDING" for j in slurm.jobs()), 60, "the requeue")
-    except AssertionError as err:  # say what Slurm and the job said
-        job_info = slurm.run("scontrol", "show", "job", job, check=False)
-        raise AssertionError(f"{err}\nsqueue: {slurm.jobs()}\nscontrol show job: {job_info.stdout}{job_info.stderr}"
-                             f"\nbatch output tail:\n{out.read_text(errors='replace')[-4000:]}") from None
-    slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")  # eligible now, not after Slurm's 120 s
-    wait_for(lambda: not any(j["id"] == job for j in slurm.jobs()), 240, "the requeued job to finish")
+    requeued("the requeue after the batch host died")
+    explained(wait_for, lambda: not any(j["id"] == job for j in slurm.jobs()), 240, "the requeued job to finish")
 
     text = out.read_text()
-    assert f"Slurm job {job} was requeued (1 so far): removing the cluster its previous run left" in text, text
+    assert f"Slurm job {job} was requeued (1 so far, 1 at its time limit): removing the cluster" in text, text
+    assert f"Slurm job {job} was requeued (2 so far, 1 at its time limit): removing the cluster" in text, text
     assert "job 1: succeeded" in text, text[-3000:]
     assert "ExitCode=0:0" in slurm.run("scontrol", "show", "job", job).stdout
-    steps, events = records(run_dir)
-    assert max(s["step"] for s in steps) == STEPS
-    resumed = [e for e in events if e["event"] == "resumed"]
-    assert resumed and resumed[-1]["step"] >= 5, events  # the second run resumed from a committed checkpoint
-    assert list_clusters() == []  # the second run deleted its cluster at the end
+    trained, events = records(run_dir)
+    assert max(s["step"] for s in trained) == steps
+    asked_for = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("requested")]
+    assert asked_for == [asked], events
+    resumed = [e["step"] for e in events if e["event"] == "resumed"]
+    # each run from the newest checkpoint (the second run's workers may have trained to the end while their
+    # controller was dead: on a batch host that ran no worker, its death does not stop training)
+    assert len(resumed) == 2 and asked <= resumed[0] <= resumed[1], events
+    assert list_clusters() == []  # the last run deleted its cluster at the end
+    assert not list((ClusterPaths.for_name("slurm-demo").root.parent / ".slurm-requeues").glob("*"))  # forgotten
 
 
 def test_the_agents_ask_for_the_requeue_again_until_slurm_accepts(tmp_path, monkeypatch):
     """A refused `scontrol requeue` (slurmctld busy, the job mid-transition) is asked again 10 s later, never
     before, never after Slurm accepted. Slurm's answers come from a stand-in `scontrol` (refuses once)."""
-    from types import SimpleNamespace
-
-    from phalanx.control.agent.node_agent import Agent
+    from phalanx.control.agent.slurm_allocation import SlurmAllocation
 
     asked = tmp_path / "asked"
     (tmp_path / "scontrol").write_text(
@@ -299,11 +347,11 @@ def test_the_agents_ask_for_the_requeue_again_until_slurm_accepts(tmp_path, monk
         f'[ "$(wc -l < {asked})" -gt 1 ] || {{ echo "Job is pending execution" >&2; exit 1; }}\n')
     (tmp_path / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    agent = SimpleNamespace(cfg={"slurm_requeue": {"job": "42", "after_s": 8.0}}, _requeue_next=0.0)
+    agent = SlurmAllocation({"job": "42", "after_s": 8.0})
 
     def ask(down_s: float, *, later_s: float = 0.0) -> list[str]:
-        agent._requeue_next -= later_s  # as if later_s had passed
-        Agent.maybe_requeue(agent, down_s)
+        agent.next_ask -= later_s  # as if later_s had passed
+        agent.controller_silent(down_s)
         return asked.read_text().splitlines() if asked.exists() else []
 
     monkeypatch.setenv("SLURM_JOB_ID", "7")  # an agent of another job (a refill): not its to ask

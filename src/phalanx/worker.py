@@ -133,11 +133,12 @@ class ReportProgress(Callback):
 
 def report_progress(trainer):
     """Under a Phalanx node agent, publish each finished step to the seam's progress key (the agent's hang
-    detector reads it) and return the reporter; None otherwise."""
+    detector reads it), take the controller's checkpoint requests, and return the reporter; None otherwise."""
     reporter = protocol.progress_reporter()
     if reporter is None:
         return None
     trainer.callbacks.add(ReportProgress(reporter))
+    trainer.checkpoint_requests = reporter
     return reporter
 
 

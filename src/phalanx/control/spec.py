@@ -171,8 +171,13 @@ class SlurmSpec(_Strict):
     controller_lost_s: float = Field(60.0, gt=0, description="cluster up --slurm: agents that cannot reach the "
                                                              "controller (on the batch host) this long ask Slurm "
                                                              "to requeue the job (scontrol requeue)")
-    max_requeues: int = Field(3, ge=0, description="cluster up --slurm --run: requeue at most this many times "
-                                                   "(SLURM_RESTART_COUNT counts them); then exit 3, do not requeue")
+    max_requeues: int = Field(3, ge=0, description="cluster up --slurm --run: requeue after a failure at most this "
+                                                   "many times (SLURM_RESTART_COUNT counts them, less the requeues "
+                                                   "at the time limit); then exit 3, do not requeue")
+    time_limit_checkpoint_s: float = Field(90.0, gt=0, description="cluster up --slurm --run: on Slurm's warning "
+                                                                   "before the time limit (USR2: `--signal=B:USR2@120` "
+                                                                   "in the batch script), wait at most this long for "
+                                                                   "the job's checkpoint, then requeue")
 
 
 class ClusterSpec(_Strict):

@@ -45,6 +45,7 @@ class EventKind(str, Enum):
     RECOVERY = "recovery"  # what the controller does about a fault
     STRAGGLER = "straggler"  # a rank computes its steps k × slower than its peers' median, m reports in a row
     RESIZE = "resize"  # an elastic job's replica count changes (and why); its workers' side is `resized`
+    CHECKPOINT_REQUESTED = "checkpoint-requested"  # a checkpoint asked for now (`job checkpoint`, a time limit)
     # a run (training runtime; checkpointless recovery also to the controller)
     STARTED = "started"  # a run (or a generation of it) started: world size, layout, where it starts from
     CHECKPOINT_STARTED = "checkpoint_started"

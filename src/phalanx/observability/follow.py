@@ -122,6 +122,8 @@ class RunFollower:
         self.tokens = 0.0  # tokens processed by every step executed (replayed ones too)
         self.step_seconds = Histogram(STEP_BUCKETS)
         self.checkpoint_seconds = Histogram(SAVE_BUCKETS)  # rank 0's `checkpoint_saved`: start → committed
+        self.last_checkpoint: dict | None = None  # the newest committed: {"step", "time"[, "requested", "request"]}
+        self.requested_checkpoint: dict | None = None  # the newest of those asked for (`job checkpoint`)
         self.series: list[tuple[int, float, float | None, float | None]] = []  # (step, time, loss, tokens/s)
         self._stride, self._seen = 1, 0
         self._derived: Derived | None = None
@@ -146,6 +148,11 @@ class RunFollower:
                     self.events.append(event)
                     self._dirty = True
                     if event.kind == K.CHECKPOINT_SAVED and event.source == "rank:0":
+                        self.last_checkpoint = {"step": event.fields.get("step"), "time": event.time,
+                                                **({"requested": True, "request": event.fields.get("request")}
+                                                   if event.fields.get("requested") else {})}
+                        if event.fields.get("requested"):
+                            self.requested_checkpoint = self.last_checkpoint
                         secs = _num(event.fields.get("seconds"))
                         if secs is not None:
                             self.checkpoint_seconds.observe(secs)

@@ -31,6 +31,11 @@ one's keys:
                                    CPU time on a CPU device, not the time it waited on its peers): what the
                                    controller's straggler rule compares (`control/policy/stragglers.py`)
 
+One key goes the other way: the controller writes `{job}/gen{g}/checkpoint-request` (an id that only grows)
+when a checkpoint is asked for (`phalanx job checkpoint`, Slurm's warning before a time limit). Each worker's
+reporter reads it in the round trip it makes anyway; the step every rank has seen it in (the flag rides on the
+step's loss all-reduce, no collective of its own) ends with a checkpoint.
+
 The controller reads both and relays them to the agents' hang detectors, which tell a frozen worker (no
 progress, no beat: the culprit) from one waiting on it (no progress, beat going); `job describe` shows the
 step.
@@ -83,7 +88,7 @@ from phalanx.protocol.env import (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     TRAIN_WORKER_MODULE, NODE_HANDLE, ACTIVATED_AT, EXIT_STUCK, rank_of, WorkerPlacement, worker_env, parse_store_addr)
 from phalanx.protocol.keys import (generation_prefix, progress_key, alive_key, generation_key, layout_key,
     pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, standby_warm_key, publish_generation,
-    read_progress, step_time_key, read_step_times)
+    read_progress, step_time_key, read_step_times, checkpoint_request_key)
 from phalanx.protocol.store import (store_namespace, namespaced, serve_store, connect_store, env_rendezvous_store,
     standby_assignment, open_standby_assignment)
 from phalanx.protocol.progress import (BEAT_S, EXIT_FLUSH_S, ProgressReporter, progress_reporter)

@@ -31,6 +31,14 @@ def alive_key(job_id: str, generation: int, rank: int) -> str:
     return f"{generation_prefix(job_id, generation)}/alive/{rank}"
 
 
+def checkpoint_request_key(job_id: str, generation: int) -> str:
+    """Store key holding the newest checkpoint request to a generation (`phalanx job checkpoint`, Slurm's warning
+    before a time limit): an id that only grows (the controller's clock in milliseconds). Every rank's reporter
+    reads it; the ranks save once all of them have seen a request they had not served
+    (`ProgressReporter.pending_checkpoint`)."""
+    return f"{generation_prefix(job_id, generation)}/checkpoint-request"
+
+
 def generation_key(job_id: str) -> str:
     """Store key holding the newest generation of a job (checkpointless jobs watch it)."""
     return f"{job_id}/generation"

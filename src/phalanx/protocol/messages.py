@@ -64,6 +64,7 @@ class Heartbeat(_Message):
     address: str | None = None  # where this node's workers are reached (MASTER_ADDR when it hosts rank 0)
     ifname: str | None = None  # the interface holding `address` (the workers' GLOO/NCCL_SOCKET_IFNAME)
     free_ports: list[int] = []  # TCP ports free on this node just now (a generation's MASTER_PORT)
+    time_limit_warned_at: float | None = None  # when Slurm warned the node's allocation of its time limit (USR2)
 
 
 class JoinRequest(_Message):

@@ -1,7 +1,8 @@
 """Worker side of progress reporting: `ProgressReporter` publishes the last finished step, its compute seconds
 (`step_time_key`) and a liveness beat from a background thread (a training step never waits on the store),
 survives a store outage (a controller restart recreates the store empty on the same port) by reconnecting and
-re-publishing, and moves to a new generation's keys when a checkpointless worker regroups (`switch`).
+re-publishing, and moves to a new generation's keys when a checkpointless worker regroups (`switch`). In the same
+round trip it reads the controller's checkpoint request (`checkpoint_request_key`): `pending_checkpoint()`.
 
 Must not know: how the controller judges hangs (the agent's hang rule reads what this publishes).
 """
@@ -16,7 +17,7 @@ from datetime import timedelta
 from typing import Mapping
 
 from phalanx.protocol.env import CLUSTER_TOKEN, GENERATION, JOB_ID, RANK, STORE_ADDR, parse_store_addr
-from phalanx.protocol.keys import alive_key, progress_key, step_time_key
+from phalanx.protocol.keys import alive_key, checkpoint_request_key, progress_key, step_time_key
 from phalanx.protocol.store import connect_store
 from phalanx.protocol.version import PROTOCOL_ENV, check_version
 
@@ -41,6 +42,9 @@ class ProgressReporter:
         self.step_key = progress_key(job_id, generation, rank)
         self.beat_key = alive_key(job_id, generation, rank)
         self.time_key = step_time_key(job_id, generation, rank)
+        self.request_key = checkpoint_request_key(job_id, generation)
+        self._requested = 0  # the newest checkpoint request read (an id; 0: none)
+        self._served = 0  # the newest request a checkpoint was taken for (`checkpoint_served`)
         self._keys_version = 0
         self.beat_s = beat_s
         self.retry_s = retry_s
@@ -74,6 +78,7 @@ class ProgressReporter:
             self.step_key = progress_key(self.job_id, generation, rank)
             self.beat_key = alive_key(self.job_id, generation, rank)
             self.time_key = step_time_key(self.job_id, generation, rank)
+            self.request_key = checkpoint_request_key(self.job_id, generation)
             self._seconds = None  # a time measured in the old generation is not one of the new
             self._keys_version += 1
             version = self._keys_version
@@ -88,6 +93,16 @@ class ProgressReporter:
                 self._step, self._seconds = step, seconds
                 self._cond.notify()
 
+    def pending_checkpoint(self) -> int:
+        """The newest checkpoint request the controller made and no checkpoint was taken for yet (0: none)."""
+        with self._cond:
+            return self._requested if self._requested > self._served else 0
+
+    def checkpoint_served(self, request: int) -> None:
+        """A checkpoint was taken after `request` was read: it, and every request before it, is served."""
+        with self._cond:
+            self._served = max(self._served, request)
+
     def _connect(self):
         return connect_store(self.store_addr, self.token, self.timeout)
 
@@ -101,8 +116,8 @@ class ProgressReporter:
                     return
                 if self._keys_version != version:  # new keys: publish everything there at once
                     version, published, next_beat = self._keys_version, None, 0.0
-                step, seconds, step_key, beat_key, time_key = (self._step, self._seconds, self.step_key, self.beat_key,
-                                                               self.time_key)
+                step, seconds, step_key, beat_key, time_key, request_key = (
+                    self._step, self._seconds, self.step_key, self.beat_key, self.time_key, self.request_key)
             try:
                 if store is None:
                     store = self._connect()
@@ -114,7 +129,8 @@ class ProgressReporter:
                     if seconds is not None:  # before the step: a reader of the step finds its time there too
                         store.set(time_key, f"{step} {seconds:.6f}")
                     store.set(step_key, str(step))
-                store.check([beat_key])  # a set() into a dead connection may not fail; this round trip does
+                # a set() into a dead connection may not fail; this round trip does (and reads the request)
+                requested = int(store.get(request_key)) if store.check([request_key]) else 0
             except (RuntimeError, OSError) as err:  # torch's DistStoreError/DistNetworkError are RuntimeErrors
                 if not failing:
                     log.warning("progress store %s:%d unreachable (%s); training continues, next: reconnecting "
@@ -129,6 +145,7 @@ class ProgressReporter:
             failing, published = False, step
             with self._cond:
                 self._published, self._published_version = step, version
+                self._requested = max(self._requested, requested)
                 self._cond.notify_all()
 
 

@@ -204,6 +204,7 @@ class CheckpointlessRun:
         if self.fault is not None:
             self.drill.at_regroup()
         self.trainer = trainer = Trainer(self.config, self.device, init_weights=False)
+        trainer.checkpoint_requests = self.reporter  # the controller's checkpoint requests (None: not under one)
         marks["trainer"] = time.time()
         self.restore(trainer, placement)
         self.drill.install(trainer)

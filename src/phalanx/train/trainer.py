@@ -122,6 +122,12 @@ class Trainer:
         self.last_record: dict | None = None  # the newest step's record (every rank has it: the loss is reduced)
         self._saved_step: int | None = None
         self.callbacks = Callbacks()  # what others run at points of the loop (progress reports, drills)
+        # Checkpoints asked for between the intervals (`phalanx job checkpoint`, Slurm's time-limit warning): an
+        # object with pending_checkpoint() -> request id or 0 and checkpoint_served(id), the worker's progress
+        # reporter under an agent. The step every rank has seen a request in ends with a save (`train_step`).
+        self.checkpoint_requests = None
+        self._save_requested, self._serving = False, 0
+        self._requested_saves: dict[int, int] = {}  # step → the request its save serves (until committed)
         # MFU: known when the config gives the peak or the GPU's name is in the table (never on CPU by default)
         self.flops_per_token = flops_per_token(self.model_config, self.dataset.meta.block_size)
         self.peak_flops_per_s = config.metrics.peak_flops_per_s or peak_flops_per_s(
@@ -183,6 +189,8 @@ class Trainer:
 
     def _checkpoint_committed(self, step: int, seconds: float) -> None:
         extra = {"async": True} if self.config.checkpoint.async_save else {}
+        if step in self._requested_saves:  # asked for between the intervals: which request it serves
+            extra.update(requested=True, request=self._requested_saves.pop(step))
         self.metrics.event("checkpoint_saved", step=step, seconds=round(seconds, 3),
                            dir=str(self.config.checkpoint_dir), **extra)
 
@@ -254,8 +262,12 @@ class Trainer:
         # update: after it there is no collective left in the step, so a peer's fault surfaces before this
         # rank commits a step it could not log.
         loss_mean = loss_sum / self.accum if even else loss_sum
-        dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM)
-        loss_mean /= self.world_size
+        # The same all-reduce counts the ranks that have seen a checkpoint request (no collective of its own):
+        # every rank learns the same count, so they all save after this step, or none does.
+        request = self.checkpoint_requests.pending_checkpoint() if self.checkpoint_requests is not None else 0
+        reduced = torch.stack([loss_mean, loss_mean.new_tensor(1.0 if request else 0.0)])
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        loss_mean, seen_by = reduced[0] / self.world_size, reduced[1]
         max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)  # across FSDP/TP/EP meshes
         lr = self.scheduler.get_last_lr()[0]
@@ -275,6 +287,13 @@ class Trainer:
         compute_time = time.process_time() - cpu_start if self.device.type == "cpu" else step_time
 
         tokens_per_step = cfg.training.global_batch_size * self.dataset.meta.block_size
+        # Every rank saw a request: save after this step; each rank's own request is served. (Ranks may have read
+        # different ids; one a rank reads later was then written before this save: the others have served it,
+        # so the count never reaches the world size for it alone.)
+        self._save_requested = int(seen_by.item()) == self.world_size
+        if self._save_requested:
+            self.checkpoint_requests.checkpoint_served(request)
+            self._serving = request
         record = {
             "step": self.progress.step,
             "loss": loss_mean.item(),
@@ -340,7 +359,9 @@ class Trainer:
         self.callbacks.on_step_end(self, record)
         step, interval, max_steps = record["step"], cfg.checkpoint.interval, cfg.training.max_steps
         self.metrics.step(record, print_line=step % cfg.training.log_interval == 0 or step == max_steps)
-        if (interval and step % interval == 0) or step == max_steps:
+        if self._save_requested:
+            self._requested_saves[step] = self._serving
+        if (interval and step % interval == 0) or step == max_steps or self._save_requested:
             self.save_checkpoint()
             self._saved_step = step
         return record

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from phalanx.control.agent.slurm_allocation import ignoring_usr2
 from phalanx.protocol.messages import DeepCheckPart
 
 log = logging.getLogger("phalanx.deep_check")
@@ -52,8 +53,8 @@ class DeepCheckRunner:
             out = self.dir / f"{a.id}-rank{rank}.json"
             with open(self.dir / f"{a.id}-rank{rank}.log", "wb") as logf:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", PROBE_MODULE, "--out", str(out), "--size-mb", str(a.size_mb),
-                     "--iters", str(a.iters), "--timeout-s", str(a.timeout_s)],
+                    ignoring_usr2([sys.executable, "-m", PROBE_MODULE, "--out", str(out), "--size-mb", str(a.size_mb),
+                                   "--iters", str(a.iters), "--timeout-s", str(a.timeout_s)]),
                     env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                     start_new_session=False)
             self.procs.append((rank, proc))

@@ -39,6 +39,7 @@ from phalanx.protocol import NODE_HANDLE, PROTOCOL_VERSION, ProtocolMismatch, ch
 from phalanx.protocol.messages import HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
 from phalanx.control.agent.link import Link
+from phalanx.control.agent.slurm_allocation import SlurmAllocation, ignoring_usr2
 from phalanx.control.agent.join import TOKEN_ENV, act_on, free_ports, join
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import PRIVATE_UMASK
@@ -79,7 +80,7 @@ def output_tail(path: Path, lines: int = TAIL_LINES, max_chars: int = 4000) -> s
 class Agent:
     def __init__(self, cfg: dict):
         self.cfg = cfg
-        self._requeue_next = 0.0  # slurm: when to ask `scontrol requeue` (maybe_requeue); inf once Slurm said yes
+        self.slurm = SlurmAllocation(cfg.get("slurm_requeue"))  # the batch host's death, the time limit's warning
         self.name: str = cfg["node"]
         # who the controller knows as this node: the handle it joined with (backend hosts), its backend's, its pid
         self.handle = cfg.get("handle") or os.environ.get(NODE_HANDLE) or str(os.getpid())
@@ -153,7 +154,7 @@ class Agent:
         start = time.monotonic()
         timeout = float(self.cfg["lifecycle_timeout_s"])
         with open(log_path, "wb") as out:
-            self._lifecycle_proc = proc = subprocess.Popen(cmd, cwd=self.work_dir, stdout=out,
+            self._lifecycle_proc = proc = subprocess.Popen(ignoring_usr2(cmd), cwd=self.work_dir, stdout=out,
                                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                            env=env)
             try:
@@ -220,6 +221,7 @@ class Agent:
             return {"protocol": PROTOCOL_VERSION, "handle": self.handle, "phase": self.phase, "lifecycle": self.lifecycle, "health": self.health,
                     "sent_at": time.time(), "workers": self.workers.report(), "reply_sent_at": self.reply_sent_at,
                     "deep_check": self.deep.result(), "standbys": self.workers.standby_ids(),
+                    **({"time_limit_warned_at": warned} if (warned := self.slurm.time_limit_warned_at) else {}),
                     **({"address": self.address, "ifname": self.ifname, "free_ports": free_ports(self.address)}
                        if self.address else {})}
 
@@ -290,7 +292,7 @@ class Agent:
                     log.warning("controller unreachable (%s); node and workers keep running, retrying every %g s",
                                 err, self.interval)
                 url = self.endpoint_url()
-                self.maybe_requeue(time.monotonic() - down_since)
+                self.slurm.controller_silent(time.monotonic() - down_since)
             except ProtocolMismatch as err:
                 self.exit_reason = f"cannot work with this controller: {err}"
                 break
@@ -307,32 +309,6 @@ class Agent:
             self.wake.wait(self.next_heartbeat_s or self.interval)
         self.shutdown()
         return 0
-
-    def maybe_requeue(self, down_s: float) -> None:
-        """`cluster up --slurm`: the controller runs on the allocation's batch host. Silent this long, that host
-        is taken for dead, and Slurm keeps a job whose batch host failed under --no-kill running without its
-        script: ask Slurm to requeue the job (its next run resumes from the checkpoint). Until Slurm accepts: a
-        refusal (slurmctld busy, the job mid-transition) is asked again 10 s later."""
-        requeue = self.cfg.get("slurm_requeue") or {}
-        job = requeue.get("job")
-        if (not job or os.environ.get("SLURM_JOB_ID") != job or down_s < requeue["after_s"]
-                or time.monotonic() < self._requeue_next):
-            return  # not an agent of the allocation's own step (a refill job's agent leaves it to those)
-        self._requeue_next = time.monotonic() + 10.0
-        log.error("controller unreachable for %.0f s (slurm: the batch host is taken for dead); next: scontrol "
-                  "requeue %s, the job resumes from its checkpoint", down_s, job)
-        try:
-            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            log.error("scontrol requeue %s failed: %s; next: asking again in 10 s", job, err)
-            return
-        said = (done.stderr or done.stdout).strip()
-        if done.returncode == 0:
-            self._requeue_next = float("inf")
-            log.info("scontrol requeue %s: accepted%s", job, f" ({said})" if said else "")
-        else:
-            log.error("scontrol requeue %s refused (exit %d): %s; next: asking again in 10 s", job,
-                      done.returncode, said)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -391,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    # Slurm's warning before the time limit (sbatch --signal=B:USR2@120): the job's checkpoints are its way back
-    signal.signal(signal.SIGUSR2, lambda s, f: log.warning("Slurm sent USR2: the allocation's time limit is near"))
+    # Slurm's warning before the time limit (sbatch --signal=B:USR2@120): the controller learns it at once
+    signal.signal(signal.SIGUSR2, lambda s, f: (agent.slurm.warned(), agent.wake.set()))
     return agent.run()
 
 

@@ -31,6 +31,7 @@ from typing import Callable
 from phalanx import protocol
 from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.hang import judge_hang
+from phalanx.control.agent.slurm_allocation import ignoring_usr2
 from phalanx.control.agent.standby import Standby, StandbyPool
 from phalanx.control.agent.template import TemplateUnavailable, WorkerTemplate, on_this_host
 from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
@@ -190,7 +191,7 @@ class WorkerSupervisor(StandbyPool):
                 how = f"exec'd: {why}"
         else:
             how = "exec'd"
-        return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+        return subprocess.Popen(ignoring_usr2(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, **own_process_group()), how
 
     def _stop(self, w: Worker, now: float) -> None:

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from phalanx.control.agent.slurm_allocation import ignoring_usr2
 from phalanx.zygote import FORKABLE  # (its module level is the standard library: torch loads only in `preload`)
 
 log = logging.getLogger("phalanx.agent.template")
@@ -106,8 +107,8 @@ class WorkerTemplate:
             self.starts += 1
             self.ready = False
             with open(self.work_dir / "template.log", "ab") as err:
-                self.proc = subprocess.Popen([sys.executable, "-m", TEMPLATE_MODULE, "--for-node", self.node],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                argv = ignoring_usr2([sys.executable, "-m", TEMPLATE_MODULE, "--for-node", self.node])
+                self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                              cwd=self.work_dir, bufsize=0)
             threading.Thread(target=self._read, args=(self.proc,), name="template", daemon=True).start()
             log.info("worker template started (pid %d): torch imported once, workers forked from it", self.proc.pid)

@@ -154,6 +154,24 @@ def scale(
               f"next step boundary, `phalanx job describe {j['id']}` shows the sizes")
 
 
+@job_app.command("checkpoint")
+def checkpoint(
+    job: str = typer.Argument(..., help="job id or name"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="return once the checkpoint is committed"),
+    timeout: float = typer.Option(300.0, "--timeout", min=1, help="seconds to wait for it"),
+    cluster: Optional[str] = ClusterOpt,
+) -> None:
+    """Checkpoint a running training job now, between its intervals (before maintenance, a time limit, a test
+    of something risky): its ranks save after the next step they all see the request in."""
+    client = _client(cluster)
+    r = _job_guard(lambda: client.checkpoint(job, wait=wait, timeout_s=timeout))
+    if "saved" in r:
+        out.print(f"job {r['job']}: checkpoint of step {(r['saved'] or {}).get('step')} committed")
+    else:
+        out.print(f"job {r['job']}: checkpoint requested at step {r['step']}; its ranks save after the next step "
+                  f"they all see it in (`phalanx job describe {r['job']}` shows the last checkpoint)")
+
+
 @job_app.command("list")
 def list_jobs(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json")) -> None:
     """Jobs like squeue: id, name, state, nodes, generation, attempts, step, time, nodes or reason."""
@@ -204,7 +222,10 @@ def describe(job: str = typer.Argument(..., help="job id or name"), cluster: Opt
         out.print(f"elastic: {e['min_replicas']}-{e['max_replicas']} replicas (valid {e['valid']}) of "
                   f"{e['nodes_per_replica']} node(s), now {info['replicas']}{target}; priority {info['priority']}")
     out.print(f"command: {' '.join(info['argv'])}  (cwd {info['cwd']})")
-    out.print(f"checkpoints: {info['checkpoint_dir']}  logs: {info['log_dir']}")
+    saved = info.get("last_checkpoint")
+    newest = (f" (newest: step {saved['step']}, {_ago(saved['time'])}{', asked for' if saved.get('requested') else ''})"
+              if saved else "")
+    out.print(f"checkpoints: {info['checkpoint_dir']}{newest}  logs: {info['log_dir']}")
     t = Table("gen", "size", "nodes", "rendezvous", "started", "steps", "outcome", "why it ended", title="generations")
     for g in info["generations"]:
         steps = f"{g['start_step']}→{g['last_step']}" if g["start_step"] is not None else "-"

@@ -176,6 +176,48 @@ class JobClient:
                 raise JobError(err.detail) from None
             raise
 
+    def checkpoint(self, job: str, *, wait: bool = True, timeout_s: float = 300.0, poll_s: float = 0.5) -> dict:
+        """Ask a running training job for a checkpoint now, between its intervals: its ranks save after the first
+        step all of them have seen the request in. Returns the request ({"job", "generation", "step": the newest
+        step the controller knew of, "request": its id}); with `wait`, once the checkpoint serving it is
+        committed (or the job succeeded: its final one), with it as "saved" ({"step", "time", ...}). A job
+        recovering when asked, or that moves to a new generation before it saves, is asked again once it runs.
+        JobError: refused (unknown job, a command job) or the job ended otherwise; TimeoutError past
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        asked = self._ask_checkpoint(job, deadline if wait else None, poll_s)
+        while wait:
+            info = self.describe(job)
+            served, saved = info.get("requested_checkpoint"), info.get("last_checkpoint")
+            if served and (served.get("request") or 0) >= asked["request"]:
+                return {**asked, "saved": served}
+            if info["state"] == "succeeded":  # its final checkpoint holds everything
+                return {**asked, "saved": saved}
+            if info["state"] in FINAL_STATES:
+                raise JobError(f"job {job} {info['state']} before it saved the checkpoint asked for (its newest: "
+                               f"{'step ' + str(saved['step']) if saved else 'none'})")
+            if info["generation"] != asked["generation"] and info["state"] == "running":
+                asked = self._ask_checkpoint(job, deadline, poll_s)  # its generation ended before it saved
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job} saved no checkpoint after step {asked['step']} within {timeout_s:g} "
+                                   f"s of the request (now {info['state']} at step {info['last_step']})")
+            time.sleep(poll_s)
+        return asked
+
+    def _ask_checkpoint(self, job: str, deadline: float | None, poll_s: float) -> dict:
+        """POST the request; a job not running yet (pending, recovering) is asked again until `deadline`."""
+        while True:
+            try:
+                return self.cluster.call("POST", f"/v1/jobs/{job}/checkpoint")
+            except ApiError as err:
+                if err.status == 409 and deadline is not None and time.monotonic() < deadline:
+                    if self.describe(job)["state"] not in FINAL_STATES:
+                        time.sleep(poll_s)
+                        continue
+                if 400 <= err.status < 500:
+                    raise JobError(err.detail) from None
+                raise
+
     @staticmethod
     def _group(info: dict, name: str | None) -> dict:
         groups = info["groups"]

@@ -9,15 +9,18 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from phalanx import protocol
 from phalanx.control.policy.stragglers import StragglerSettings
 from phalanx.control.state.jobs import ACTIVE, FINAL, Job, JobState
 from phalanx.control.state.store import ClusterStatus, NodeState
+from phalanx.observability.events import EventKind as E
 from phalanx.observability.run_events import job_run_dir
 
 log = logging.getLogger("phalanx.scheduler")
+TIME_LIMIT_DEDUP_S = 60.0  # Slurm's warnings to the nodes of one allocation, relayed apart: one checkpoint request
 J, S = JobState, NodeState
 
 
@@ -124,4 +127,50 @@ class Admission:
 
     def describe(self, key: str) -> dict:
         return self.records.describe(self.find(key))
+
+    def time_limit_warned(self, node: str, warned_at: float) -> None:
+        """A node's agent relays Slurm's warning before its allocation's time limit (USR2): the training job on
+        the node is asked for a checkpoint now, once (every node of the allocation relays the same warning, in
+        every heartbeat: one request per job per `TIME_LIMIT_DEDUP_S`)."""
+        with self.lock:
+            if self._time_limits.get(node) == warned_at:
+                return
+            self._time_limits[node] = warned_at
+            current = self.store.node(node)
+            job = self.records.find(current.job) if current is not None and current.job else None
+            if job is None or job.kind != "train" or job.state != J.RUNNING:
+                log.info("node %s: Slurm warned of its allocation's time limit; no training job runs there", node)
+                return
+            if self.clock() - self._asked_at.get(job.id, float("-inf")) < TIME_LIMIT_DEDUP_S:
+                return
+            self._asked_at[job.id] = self.clock()
+            try:
+                self.request_checkpoint(job.id, f"Slurm's warning before the time limit of node {node}'s allocation")
+            except JobRequestError as err:
+                log.warning("node %s: Slurm warned of its allocation's time limit; job %s not asked for a checkpoint "
+                            "(%s)", node, job.id, err)
+
+    def request_checkpoint(self, key: str, reason: str = "asked for by the user") -> dict:
+        """Ask a running training job's workers for a checkpoint now, between its intervals: the request goes to
+        its generation's store key, which every rank's reporter reads; the ranks save after the first step all of
+        them have seen it in (`protocol.checkpoint_request_key`). A request a generation ends before serving is
+        not carried to the next: the caller asks again (`JobClient.checkpoint` does)."""
+        with self.lock:
+            job = self.find(key)
+            if job.kind != "train":
+                raise JobRequestError(422, f"job {job.id} runs a command: Phalanx checkpoints training jobs only "
+                                           f"(a command saves its own)")
+            if job.state != J.RUNNING:
+                raise JobRequestError(409, f"job {job.id} is {job.state.value}; a checkpoint is taken by a running "
+                                           f"job (`phalanx job describe {job.id}`)")
+            if self.rendezvous is None:
+                raise JobRequestError(503, "this controller has no store for its workers; restart it")
+            request = int(time.time() * 1000)  # grows across controller restarts (the store starts empty again)
+            self.rendezvous.set(protocol.checkpoint_request_key(job.id, job.generation), str(request))
+            self.store.record_event(E.CHECKPOINT_REQUESTED, f"checkpoint requested at step {job.last_step} "
+                                    f"(generation {job.generation}): {reason}", job=job.id,
+                                    generation=job.generation, step=job.last_step, request=request)
+        log.info("job %s: checkpoint requested at step %s (%s); next: its ranks save after the step all of them "
+                 "have seen the request in", job.id, job.last_step, reason)
+        return {"job": job.id, "generation": job.generation, "step": job.last_step, "request": request}
 

@@ -80,6 +80,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         self._watches: dict[tuple[str, int], StragglerWatch] = {}  # (job, generation) → the straggler rule's state
         self._flagged: dict[str, list[dict]] = {}  # job → its stragglers so far (`stragglers()`)
         self._grow_seen: dict[str, float] = {}  # elastic job → since when free nodes would let it grow
+        self._time_limits: dict[str, float] = {}  # node → the time-limit warning its agent relayed (handled)
+        self._asked_at: dict[str, float] = {}  # job → when a time-limit warning last asked it for a checkpoint
 
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:

@@ -318,7 +318,19 @@ def build_app(ctl) -> FastAPI:
     @app.get("/v1/jobs/{key}")
     def describe_job(key: str) -> dict:
         try:
-            return ctl.jobs.describe(key)
+            info = ctl.jobs.describe(key)
+            job = ctl.jobs.find(key)
+        except JobRequestError as err:
+            raise HTTPException(err.status, str(err)) from None
+        follower = runs.follower(job) if job.kind == "train" else None
+        info["last_checkpoint"] = follower.last_checkpoint if follower else None
+        info["requested_checkpoint"] = follower.requested_checkpoint if follower else None  # `job checkpoint`'s
+        return info
+
+    @app.post("/v1/jobs/{key}/checkpoint", status_code=202)
+    def checkpoint_job(key: str) -> dict:
+        try:
+            return ctl.jobs.request_checkpoint(key)
         except JobRequestError as err:
             raise HTTPException(err.status, str(err)) from None
 

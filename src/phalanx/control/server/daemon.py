@@ -185,6 +185,11 @@ class Controller:
         # uvicorn restores the handler it found and re-raises the signal after a graceful shutdown; this one
         # lets cleanup below run instead of dying there.
         signal.signal(signal.SIGTERM, lambda s, f: log.info("SIGTERM: controller stops, nodes keep running"))
+        # Slurm's warning before the time limit goes to the batch shell (`--signal=B:`), not to this controller in
+        # a session of its own (tried on the test Slurm), but `scancel --full --signal=USR2` reaches every process
+        # of the batch step: not this one's to act on (cluster up checkpoints the job), and USR2 would end it
+        signal.signal(signal.SIGUSR2, lambda s, f: log.info("USR2: an allocation's time limit is near (Slurm's "
+                                                            "warning); the batch script checkpoints its job"))
         try:
             if not self._exit.is_set():
                 self.server.run(sockets=[sock])

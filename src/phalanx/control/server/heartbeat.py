@@ -28,6 +28,8 @@ def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node
                               "standbys": hb.standbys, "address": hb.address, "ifname": hb.ifname,
                               "free_ports": hb.free_ports})
     changed = jobs.ingest(node, hb.workers, hb.reply_sent_at)
+    if hb.time_limit_warned_at is not None:
+        jobs.time_limit_warned(node.name, hb.time_limit_warned_at)
     status = store.cluster()["status"]
     sent_at, workers, standby = jobs.assignments(store.node(node.name))
     common = {"protocol": PROTOCOL_VERSION, "sent_at": sent_at, "controller": controller_id, "workers": [],
