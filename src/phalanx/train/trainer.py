@@ -265,7 +265,8 @@ class Trainer:
         # The same all-reduce counts the ranks that have seen a checkpoint request (no collective of its own):
         # every rank learns the same count, so they all save after this step, or none does.
         request = self.checkpoint_requests.pending_checkpoint() if self.checkpoint_requests is not None else 0
-        reduced = torch.stack([loss_mean, loss_mean.new_tensor(1.0 if request else 0.0)])
+        reduced = torch.stack([loss_mean, loss_mean.new_full((), 1.0 if request else 0.0)])  # (a fill, no copy:
+        # a host-to-GPU copy would wait for the backward to finish before the optimizer step is queued)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
         loss_mean, seen_by = reduced[0] / self.world_size, reduced[1]
         max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else float("inf")
