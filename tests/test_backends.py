@@ -322,14 +322,9 @@ def test_cluster_up_slurm_needs_an_allocation_big_enough():
     assert agent_settings(spec, "workers")["slurm_requeue"] is None
 
 
-@pytest.mark.parametrize("restarts, code", [(0, 75), (3, 3)])
-def test_a_job_short_of_nodes_past_spare_timeout_is_requeued_until_max_requeues(monkeypatch, restarts, code):
-    """`cluster up --slurm --run`: no spare came for slurm.spare_timeout_s → cancel the job, `scontrol requeue`
-    this allocation, exit 75; once slurm.max_requeues requeues are spent, exit 3 (do not requeue) instead."""
-    from phalanx.control.client import slurm_up
-
-    calls = []
-
+def fake_job_client(calls: list, described: dict, checkpoint=None):
+    """`JobClient` as `cluster up --slurm --run` uses it: its job described as `described` (state, reason) at step
+    12; cancels and checkpoint requests appended to `calls`, the request answered by `checkpoint(job, timeout_s)`."""
     class Jobs:
         def __init__(self, name):
             pass
@@ -338,13 +333,27 @@ def test_a_job_short_of_nodes_past_spare_timeout_is_requeued_until_max_requeues(
             return {"id": "1", "nodes_requested": kw["nodes"], "recovery": "restart"}
 
         def describe(self, job):
-            return {"state": "recovering", "generation": 1, "last_step": 12,
-                    "reason": "waiting for 1 healthy node(s) to replace workers-1 (spare pool: empty)"}
+            return {"generation": 1, "last_step": 12, **described}
+
+        def checkpoint(self, job, timeout_s):
+            calls.append(("checkpoint", job, timeout_s))
+            return checkpoint(job, timeout_s)
 
         def cancel(self, job, wait):
             calls.append(("cancel", job))
 
-    monkeypatch.setattr(slurm_up, "JobClient", Jobs)
+    return Jobs
+
+
+@pytest.mark.parametrize("restarts, code", [(0, 75), (3, 3)])
+def test_a_job_short_of_nodes_past_spare_timeout_is_requeued_until_max_requeues(monkeypatch, restarts, code):
+    """`cluster up --slurm --run`: no spare came for slurm.spare_timeout_s → cancel the job, `scontrol requeue`
+    this allocation, exit 75; once slurm.max_requeues requeues are spent, exit 3 (do not requeue) instead."""
+    from phalanx.control.client import slurm_up
+
+    calls = []
+    monkeypatch.setattr(slurm_up, "JobClient", fake_job_client(calls, {
+        "state": "recovering", "reason": "waiting for 1 healthy node(s) to replace workers-1 (spare pool: empty)"}))
     monkeypatch.setattr(slurm_up, "slurm", lambda *argv, **kw: calls.append(argv) or "")
     monkeypatch.setattr(slurm_up.time, "sleep", lambda s: None)
     group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2}
@@ -368,31 +377,16 @@ def test_slurms_time_limit_warning_checkpoints_the_job_then_requeues_without_cou
     import threading
 
     from phalanx.control.client import slurm_up
-    from phalanx.control.client.jobs import JobError
 
     monkeypatch.setenv("PHALANX_HOME", str(tmp_path))
     calls = []
 
-    class Jobs:
-        def __init__(self, name):
-            pass
+    def checkpoint(job, timeout_s):
+        if not saves:
+            raise TimeoutError("job 1 saved no checkpoint after step 12 within 30 s of the request")
+        return {"job": job, "step": 12, "request": 5, "saved": {"step": 13, "time": 0.0, "request": 5}}
 
-        def submit(self, config, **kw):
-            return {"id": "1", "nodes_requested": kw["nodes"], "recovery": "restart"}
-
-        def describe(self, job):
-            return {"state": "running", "generation": 1, "last_step": 12, "reason": None}
-
-        def checkpoint(self, job, timeout_s):
-            calls.append(("checkpoint", job, timeout_s))
-            if not saves:
-                raise TimeoutError("job 1 saved no checkpoint after step 12 within 30 s of the request")
-            return {"job": job, "step": 12, "request": 5, "saved": {"step": 13, "time": 0.0, "request": 5}}
-
-        def cancel(self, job, wait):
-            calls.append(("cancel", job))
-
-    monkeypatch.setattr(slurm_up, "JobClient", Jobs)
+    monkeypatch.setattr(slurm_up, "JobClient", fake_job_client(calls, {"state": "running", "reason": None}, checkpoint))
     monkeypatch.setattr(slurm_up, "slurm", lambda *argv, **kw: calls.append(argv) or "")
     group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2}
     spec = spec_from_dict({"name": "c1", "backend": "slurm", "instance_groups": [group],

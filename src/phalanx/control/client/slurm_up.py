@@ -194,12 +194,7 @@ def _at_time_limit(spec: ClusterSpec, jobs: JobClient, name: str, say, at_time_l
         at_time_limit.add()
     say(f"requeueing Slurm job {job} at its time limit (not counted against slurm.max_requeues); the next run "
         f"resumes from the newest checkpoint")
-    try:
-        slurm("scontrol", "requeue", job)
-    except SlurmError as err:
-        say(f"scontrol requeue {job} failed: {err}; exit {EXIT_REQUEUED} (a RequeueExit={EXIT_REQUEUED} in slurm.conf "
-            f"requeues it)")
-    return EXIT_REQUEUED
+    return _ask_requeue(job, say)
 
 
 def _requeue(spec: ClusterSpec, jobs: JobClient, name: str, restarts: int, say) -> int:
@@ -211,6 +206,11 @@ def _requeue(spec: ClusterSpec, jobs: JobClient, name: str, restarts: int, say) 
     say(f"job {name} short of nodes for {spec.slurm.spare_timeout_s:g} s (no spare came): requeueing Slurm job {job}; "
         f"the next run resumes from the newest checkpoint")
     jobs.cancel(name, wait=True)
+    return _ask_requeue(job, say)
+
+
+def _ask_requeue(job: str, say) -> int:
+    """`scontrol requeue` this allocation (Slurm then ends this script); EXIT_REQUEUED either way."""
     try:
         slurm("scontrol", "requeue", job)
     except SlurmError as err:
