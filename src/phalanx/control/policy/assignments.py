@@ -33,7 +33,8 @@ class Assignments:
         changed = False
         with self.lock:
             self.records.set_node_ack(node.name, acked_at)
-            known = {(w.job, w.generation, w.rank): w for w in self.records.workers(node=node.name)}
+            known = {(w.job, w.generation, w.rank): w
+                     for w in self.records.reported_workers(node.name, {r.job for r in reports})}
             seen = set()
             for r in reports:
                 key = (r.job, r.generation, r.rank)
@@ -161,7 +162,8 @@ class Assignments:
             return {}, False
         self._said.pop(f"read:{job.id}", None)
         self._note_step_times(job, gen, ranks)  # the straggler rule's input (scheduler.py)
-        for w in self.records.workers(job=job.id, generation=gen.generation):
+        mine = ranks if len(ranks) < job.world_size else None  # a heartbeat's node: its rows, not the generation's
+        for w in self.records.workers(job=job.id, generation=gen.generation, ranks=mine):
             step = (progress.get(w.rank) or {}).get("step")
             if step is not None and step != w.step:
                 self.records.update_worker(job.id, gen.generation, w.rank, step=step)

@@ -22,212 +22,50 @@ reason. Knows nothing about processes, HTTP or the scheduler's policy.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
-from enum import Enum
-from typing import Any
+from contextlib import contextmanager
 
-from phalanx.observability.events import EventKind
+from phalanx.control.state.job_rows import (  # noqa: F401 - the records' types, imported from here by their users
+    ACTIVE, FINAL, J, JOB_ALLOWED, LIVE_WORKER, FaultKind, Generation, Job, JobState, Outcome, WorkerRecord, _enc,
+    _generation, _job, _worker)
 from phalanx.control.state.store import IllegalTransition, Store
-
-
-class FaultKind(str, Enum):
-    """What ended (or will end) a generation, as recorded in `Generation.faults`."""
-
-    NODE = "node"  # a node of the job is not healthy (gone, silent, failed health check)
-    HANG = "hang"  # a worker froze (its agent killed it): a node fault too
-    STALL = "stall"  # every rank alive and waiting: a job-level fault
-    EXIT = "exit"  # a worker exited non-zero (killed by a signal: negative code)
-    RESTART_JOB = "restart-job"  # a health check asks for a restart of the job on the same nodes (GPU XID)
-    STRANDED = "stranded"  # a collective broke with every process alive (checkpointless: regroup them)
-    REGROUP_FAILED = "regroup-failed"  # in-place recoveries in a row that never restored
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Outcome(str, Enum):
-    """How a generation ended (`Generation.outcome`)."""
-
-    SUCCEEDED = "succeeded"
-    CANCELLED = "cancelled"
-    APP_ERROR = "app-error"
-    NODE_FAULT = "node-fault"
-    RESTART_JOB = "restart-job"
-    PROCESS_FAULT = "process-fault"  # checkpointless: a worker died, its node is healthy
-    STRANDED = "stranded"
-    REGROUP_FAILED = "regroup-failed"
-    RESIZED = "resized"  # elastic: replicas joined or left; survivors carried into the next generation
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class JobState(str, Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-J = JobState
-JOB_ALLOWED: dict[JobState, set[JobState]] = {
-    J.PENDING: {J.RUNNING, J.CANCELLED, J.FAILED},
-    J.RUNNING: {J.RECOVERING, J.SUCCEEDED, J.FAILED, J.CANCELLED},
-    J.RECOVERING: {J.RUNNING, J.FAILED, J.CANCELLED},
-    J.SUCCEEDED: set(),
-    J.FAILED: set(),
-    J.CANCELLED: set(),
-}
-FINAL = (J.SUCCEEDED, J.FAILED, J.CANCELLED)
-ACTIVE = (J.RUNNING, J.RECOVERING)  # holding nodes
-
-_JSON_FIELDS = ("nodes", "argv", "env", "config", "faults", "restored", "standbys", "straggler", "elastic")
-
-
-def _enc(values: dict) -> dict:
-    return {(k + "_json" if k in _JSON_FIELDS else k): (json.dumps(v) if k in _JSON_FIELDS else v)
-            for k, v in values.items()}
-
-
-def _dec(row) -> dict:
-    out = {}
-    for k in row.keys():
-        if k.endswith("_json"):
-            out[k[:-5]] = None if row[k] is None else json.loads(row[k])
-        else:
-            out[k] = row[k]
-    return out
-
-
-@dataclass(frozen=True)
-class Job:
-    id: str
-    seq: int
-    name: str
-    state: JobState
-    kind: str  # "train" | "command"
-    group_name: str
-    nodes_requested: int
-    workers_per_node: int
-    argv: list
-    cwd: str
-    env: dict
-    config: dict | None
-    job_dir: str
-    checkpoint_dir: str
-    nodes: list
-    auto_resume: bool
-    max_retries: int
-    recovery: str  # restart | checkpointless
-    attempts: int
-    retries: int
-    node_faults: int
-    generation: int
-    last_step: int | None
-    reason: str | None
-    created_at: float
-    updated_at: float
-    ended_at: float | None
-    straggler: dict | None = None  # {"factor", "steps", "policy"}: the straggler rule's settings (None: defaults)
-    # elastic jobs: protocol.elastic.ElasticSettings + {"ranks_per_replica", "nodes_per_replica", "target" (a
-    # `job scale` request), "changed_at" (the last resize)}; None: a fixed-size job
-    elastic: dict | None = None
-    priority: int = 0  # a pending job of higher priority takes nodes from lower-priority elastic jobs
-
-    @property
-    def replicas(self) -> int | None:
-        """An elastic job's replica count now (its current generation's nodes), else None."""
-        if self.elastic is None:
-            return None
-        return len(self.nodes) // self.elastic["nodes_per_replica"]
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes_requested * self.workers_per_node
-
-    def public(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["state"] = self.state.value
-        d["world_size"] = self.world_size
-        d["replicas"] = self.replicas
-        d.pop("config")  # large; `job describe --json` shows it
-        return d
-
-
-@dataclass(frozen=True)
-class Generation:
-    job: str
-    generation: int
-    nodes: list
-    master_addr: str
-    master_port: int
-    store_addr: str | None
-    started_at: float
-    stop_at: float | None
-    ended_at: float | None
-    outcome: str | None
-    end_reason: str | None
-    faults: list
-    start_step: int | None
-    last_step: int | None
-    first_step_at: float | None
-    restored: dict | None  # checkpointless: {"source", "step", "bytes", "seconds", ...} from its rank 0
-    standbys: dict  # str(rank) → id of the warm standby worker told to become that rank
-
-    def public(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    job: str
-    generation: int
-    rank: int
-    node: str
-    local_rank: int
-    pid: int | None
-    state: str  # running | stopping | exited | lost
-    exit_code: int | None
-    detail: str | None
-    hang: str | None
-    frozen: bool  # hung with its liveness beat stopped too: the process itself is stuck (a node fault)
-    stopped: bool  # stopped by its agent on the controller's request (not a fault)
-    step: int | None
-    started_at: float | None
-    ended_at: float | None
-
-    @property
-    def live(self) -> bool:
-        return self.state in ("running", "stopping")
-
-    def public(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _job(row) -> Job:
-    d = _dec(row)
-    d["state"] = JobState(d["state"])
-    d["auto_resume"] = bool(d["auto_resume"])
-    return Job(**d)
-
-
-def _generation(row) -> Generation:
-    return Generation(**_dec(row))
-
-
-def _worker(row) -> WorkerRecord:
-    d = dict(row)
-    d["stopped"], d["frozen"] = bool(d["stopped"]), bool(d["frozen"])
-    return WorkerRecord(**d)
+from phalanx.observability.events import EventKind
 
 
 class JobRecords:
-    """Reads and writes of the job tables. Callers serialise decisions (the scheduler holds its lock)."""
+    """Reads and writes of the job tables. Callers serialise decisions (the scheduler holds its lock).
+
+    In the controller (the store's owner, the one writer of these tables) the reads every heartbeat makes — the
+    jobs holding nodes and their current generations — are answered from memory until the next write of a job
+    or generation: they were two full reads of the jobs table (every job ever submitted, each decoded from JSON)
+    per heartbeat, so the controller slowed with its history (benchmarks/heartbeat_cost.py)."""
 
     def __init__(self, store: Store):
         self.store = store
+        self._memo: dict | None = {} if store.owner else None  # read → result, until the next write (owner only)
+
+    def _remember(self, key, read):
+        """`read()`, kept in the memo until the next write of a job or generation (a read that is not the owner's
+        always goes to SQLite: another process may write)."""
+        if self._memo is None:
+            return read()
+        with self.store.lock:  # the same lock the writes take: a result is never from before a write and kept after
+            if key not in self._memo:
+                self._memo[key] = read()
+            return self._memo[key]
+
+    @contextmanager
+    def _writing(self):
+        """Around a write of a job or generation: the memo is emptied before and after it (committed or rolled
+        back), under the store's lock, so no read can keep what the write changes."""
+        if self._memo is None:
+            yield
+            return
+        with self.store.lock:
+            self._memo.clear()
+            try:
+                yield
+            finally:
+                self._memo.clear()
 
     # ---- jobs ---------------------------------------------------------------------------------------
     def add_job(self, *, name: str | None, kind: str, group: str, nodes: int, workers_per_node: int, argv: list,
@@ -235,7 +73,7 @@ class JobRecords:
                 auto_resume: bool, max_retries: int, recovery: str = "restart", straggler: dict | None = None,
                 elastic: dict | None = None, priority: int = 0) -> Job:
         now = self.store.clock()
-        with self.store.transaction() as db:
+        with self._writing(), self.store.transaction() as db:
             (seq,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()
             job_id = str(seq)
             job_dir = f"{jobs_root}/{job_id}"
@@ -279,8 +117,12 @@ class JobRecords:
         return info
 
     def jobs(self, states: tuple[JobState, ...] | None = None) -> list[Job]:
-        found = [_job(r) for r in self.store.execute("SELECT * FROM jobs ORDER BY seq")]
-        return found if states is None else [j for j in found if j.state in states]
+        """Every job in submission order, or those in `states`."""
+        if states is None:
+            return [_job(r) for r in self.store.execute("SELECT * FROM jobs ORDER BY seq")]
+        values = tuple(JobState(s).value for s in states)
+        return list(self._remember(("jobs", values), lambda: tuple(_job(r) for r in self.store.execute(
+            f"SELECT * FROM jobs WHERE state IN ({', '.join('?' * len(values))}) ORDER BY seq", values))))
 
     def recent_jobs(self, keep_ended: int) -> list[Job]:
         """Every job that has not ended and the newest `keep_ended` that have, in submission order (what
@@ -294,13 +136,14 @@ class JobRecords:
         assert "state" not in values, "use transition() to change a job's state"
         values["updated_at"] = self.store.clock()
         enc = _enc(values)
-        self.store.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in enc)} WHERE id=?",
-                           (*enc.values(), job_id))
+        with self._writing():
+            self.store.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in enc)} WHERE id=?",
+                               (*enc.values(), job_id))
 
     def transition(self, job_id: str, to: JobState, reason: str, **values) -> Job:
         """Move a job to `to` with an event; refuses moves the state machine forbids."""
         now = self.store.clock()
-        with self.store.transaction() as db:
+        with self._writing(), self.store.transaction() as db:
             row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
                 raise KeyError(f"no job {job_id!r}")
@@ -318,16 +161,18 @@ class JobRecords:
     # ---- generations --------------------------------------------------------------------------------
     def add_generation(self, job_id: str, generation: int, nodes: list[str], master_addr: str, master_port: int,
                        store_addr: str | None) -> Generation:
-        self.store.execute(
-            "INSERT INTO generations (job, generation, nodes_json, master_addr, master_port, store_addr, started_at)"
-            " VALUES (?,?,?,?,?,?,?)",
-            (job_id, generation, json.dumps(nodes), master_addr, master_port, store_addr, self.store.clock()),
-        )
+        with self._writing():
+            self.store.execute(
+                "INSERT INTO generations (job, generation, nodes_json, master_addr, master_port, store_addr, "
+                "started_at) VALUES (?,?,?,?,?,?,?)",
+                (job_id, generation, json.dumps(nodes), master_addr, master_port, store_addr, self.store.clock()))
         return self.generation(job_id, generation)
 
     def generation(self, job_id: str, generation: int) -> Generation | None:
-        rows = self.store.execute("SELECT * FROM generations WHERE job=? AND generation=?", (job_id, generation))
-        return _generation(rows[0]) if rows else None
+        def read() -> Generation | None:
+            rows = self.store.execute("SELECT * FROM generations WHERE job=? AND generation=?", (job_id, generation))
+            return _generation(rows[0]) if rows else None
+        return self._remember(("generation", job_id, generation), read)
 
     def generations(self, job_id: str | None = None, *, open_only: bool = False) -> list[Generation]:
         sql, args = "SELECT * FROM generations WHERE 1=1", []
@@ -340,18 +185,30 @@ class JobRecords:
 
     def update_generation(self, job_id: str, generation: int, **values) -> None:
         enc = _enc(values)
-        self.store.execute(f"UPDATE generations SET {', '.join(f'{k}=?' for k in enc)} WHERE job=? AND generation=?",
-                           (*enc.values(), job_id, generation))
+        with self._writing():
+            self.store.execute(f"UPDATE generations SET {', '.join(f'{k}=?' for k in enc)} WHERE job=? AND "
+                               "generation=?", (*enc.values(), job_id, generation))
 
     # ---- workers ------------------------------------------------------------------------------------
-    def workers(self, *, job: str | None = None, generation: int | None = None,
-                node: str | None = None) -> list[WorkerRecord]:
+    def workers(self, *, job: str | None = None, generation: int | None = None, node: str | None = None,
+                ranks: list[int] | None = None) -> list[WorkerRecord]:
         sql, args = "SELECT * FROM workers WHERE 1=1", []
         for col, val in (("job", job), ("generation", generation), ("node", node)):
             if val is not None:
                 sql += f" AND {col}=?"
                 args.append(val)
+        if ranks is not None:
+            sql += f" AND rank IN ({', '.join('?' * len(ranks))})"
+            args.extend(ranks)
         return [_worker(r) for r in self.store.execute(sql + " ORDER BY job, generation, rank", tuple(args))]
+
+    def reported_workers(self, node: str, jobs: set[str]) -> list[WorkerRecord]:
+        """What a heartbeat from `node` is compared against: its live rows and its rows of the `jobs` its agent
+        reports — not every row the node ever had (a heartbeat's read must not grow with the cluster's history)."""
+        sql = f"SELECT * FROM workers WHERE node=? AND state IN ({', '.join('?' * len(LIVE_WORKER))}) UNION " \
+              f"SELECT * FROM workers WHERE job IN ({', '.join('?' * len(jobs))}) AND +node=?"  # (+: by job, the
+        # primary key, not by node: the planner would read every row the node ever had)
+        return [_worker(r) for r in self.store.execute(sql, (node, *LIVE_WORKER, *sorted(jobs), node))]
 
     def put_worker(self, rec: dict) -> None:
         """Insert or replace one rank's record (keys: the `workers` columns)."""

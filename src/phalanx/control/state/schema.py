@@ -78,6 +78,7 @@ CREATE TABLE IF NOT EXISTS counters (  -- monotonic counts /metrics reads withou
 );
 CREATE INDEX IF NOT EXISTS events_node ON events(node);
 CREATE INDEX IF NOT EXISTS events_job ON events(job);
+CREATE INDEX IF NOT EXISTS workers_node ON workers(node, state);  -- each heartbeat reads its node's live workers
 """
 
 
@@ -91,6 +92,7 @@ def migrate(db: sqlite3.Connection) -> None:
       a counter that starts at the upgrade is what Prometheus expects of a restarted process anyway).
     - Before straggler settings a job had none: `jobs.straggler_json` is added, NULL (the defaults).
     - Before elastic jobs: `jobs.elastic_json` (NULL: a fixed-size job) and `jobs.priority` (0) are added.
+    - Before the index `workers_node` a heartbeat scanned the workers table: the index is added.
     """
     columns = {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
     if columns and "handle" not in columns:
@@ -102,6 +104,8 @@ def migrate(db: sqlite3.Connection) -> None:
         db.execute("CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, label TEXT NOT NULL, "
                    "value INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, label))")
     job_columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+    if job_columns:  # (before it, each heartbeat read every worker row the cluster ever had)
+        db.execute("CREATE INDEX IF NOT EXISTS workers_node ON workers(node, state)")
     if job_columns and "straggler_json" not in job_columns:
         db.execute("ALTER TABLE jobs ADD COLUMN straggler_json TEXT")
     if job_columns and "elastic_json" not in job_columns:

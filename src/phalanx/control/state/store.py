@@ -143,6 +143,11 @@ class Store(EventRecords):
         self.log = self.event_log()  # the controller's one event writer (`EventRecords`)
 
     @property
+    def owner(self) -> bool:
+        """Opened by the controller, the one writer of its state: reads may be kept in memory."""
+        return self._owner
+
+    @property
     def lock(self) -> threading.RLock:
         """Held around every statement and transaction (re-entrant)."""
         return self._lock
