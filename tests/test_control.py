@@ -28,6 +28,7 @@ from phalanx.control.client.cluster import (ClusterClient, CreateFailed, control
                                      start_controller)
 from phalanx.control.agent.health import (REPLACE_NODE, RESTART_JOB, GpuMonitor, check_workers, report,
                                     restart_job_failures, xid_check)
+from phalanx.control.http import ApiError, request_json
 from phalanx.control.state.paths import ClusterPaths, list_clusters
 from phalanx.control.spec import SpecError, load_spec
 from phalanx.control.state.store import IllegalTransition, NodeState, Store
@@ -149,6 +150,35 @@ def test_store_refuses_illegal_transitions_and_records_every_move(tmp_path):
     assert len(moves) == 7
     assert store.add_node("workers", is_spare=True, work_root=tmp_path, reason="x").name == "workers-1"
     store.close()
+
+
+def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_reverting_any(tmp_path):
+    """The controller (the store's owner) keeps a heartbeat's observations in memory and writes them in one
+    transaction per reconciler tick (`Store.observe_node` / `flush_observed`): its own reads see them at once,
+    another process's after the flush, and no write of the node in between loses or reverts them."""
+    spec = load_spec(write_spec(tmp_path, script=None))
+    owner = Store(tmp_path / "state.db", owner=True)
+    owner.initialize(spec)
+    a = owner.add_node("workers", is_spare=False, work_root=tmp_path, reason="test").name
+    b = owner.add_node("workers", is_spare=False, work_root=tmp_path, reason="test").name
+    reader = Store(tmp_path / "state.db")  # a CLI beside the controller
+    owner.observe_node(a, last_heartbeat=10.0, health={"ok": True}, report={"phase": "ready"})
+    owner.observe_node(b, last_heartbeat=11.0, acked_at=5.0)
+    assert owner.node(a).last_heartbeat == 10.0 and owner.node(a).report == {"phase": "ready"}
+    assert reader.node(a).last_heartbeat is None  # not in SQLite yet
+    owner.transition(a, NodeState.CONFIGURING, "its row written and read back")  # the observations kept
+    assert owner.node(a).last_heartbeat == 10.0 and reader.node(a).health == {"ok": True}
+    owner.update_node(b, acked_at=7.0)  # written now: the older observation of it must not come back
+    assert owner.flush_observed(every_s=3600.0) == 1  # (b: its heartbeat time; the first flush is never early)
+    assert owner.flush_observed() == 0  # nothing left
+    assert (reader.node(b).last_heartbeat, reader.node(b).acked_at) == (11.0, 7.0)
+    owner.observe_node(b, last_heartbeat=12.0)
+    assert owner.flush_observed(every_s=3600.0) == 0  # flushed less than an hour ago: kept for the next tick
+    owner.close()  # closing writes what is left
+    assert reader.node(b).last_heartbeat == 12.0
+    reader.observe_node(a, last_heartbeat=13.0)  # not the owner: written at once
+    assert Store(tmp_path / "state.db").node(a).last_heartbeat == 13.0
+    reader.close()
 
 
 def test_seam_names_and_keys():
@@ -283,6 +313,18 @@ def test_create_lists_healthy_nodes_and_refuses_unauthenticated_requests(tmp_pat
     assert http("GET", f"{base}/no/such/route") == 401  # checked before routing: nothing is revealed
     assert http("GET", f"{base}/metrics", token=token) == 200
     assert http("GET", f"{base}/v1/cluster", token=token) == 200
+
+    # the heartbeat route (server/heartbeat_route.py, ahead of FastAPI's router) refuses with one clear error each
+    good = {"protocol": protocol.PROTOCOL_VERSION, "handle": nodes[0]["handle"], "phase": "ready", "sent_at": 0.0}
+    refusals = [("workers-0", {**good, "phase": 7}, 422, "phase"),
+                ("workers-0", {**good, "wrokers": []}, 422, "wrokers"),
+                ("workers-0", {**good, "protocol": protocol.PROTOCOL_VERSION + 1}, 409, "upgrade"),
+                ("workers-9", good, 404, "no node named 'workers-9'"),
+                ("workers-0", {**good, "handle": "not-its-agent"}, 410, "run by the agent with handle")]
+    for name, body, status, words in refusals:
+        with pytest.raises(ApiError) as refused:
+            request_json("POST", f"{base}/v1/nodes/{name}/heartbeat", token, body)
+        assert refused.value.status == status and words in refused.value.detail, (body, refused.value)
 
     info = client.describe()
     assert info["status"] == "in-service" and info["groups"][0]["spares_ready"] == 1

@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from phalanx.control.agent.health import REPLACE_NODE, summarize_failure
-from phalanx.control.state.store import BRINGUP_STATES, FAULT_CAUSES, ClusterStatus, Node, NodeState, Store
+from phalanx.control.state.store import BRINGUP_STATES, FAULT_CAUSES, FLUSH_S, ClusterStatus, Node, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.reconciler")
@@ -53,6 +53,7 @@ class Reconciler:
         self._said: set[str] = set()  # "waiting" lines already logged (log once, not every tick)
 
     def tick(self) -> None:
+        self.store.flush_observed(every_s=FLUSH_S)  # the heartbeats' batched observations, into SQLite
         status = ClusterStatus(self.store.cluster()["status"])
         if status not in (ClusterStatus.CREATING, ClusterStatus.IN_SERVICE, ClusterStatus.DEGRADED):
             return

@@ -10,6 +10,7 @@ anything else gets 401.
     POST   /v1/nodes/{name}/heartbeat   agent → controller: phase, lifecycle result, health, its workers
                                         (state, exit code, hang); the reply says run or terminate, lists the
                                         workers to run (with relayed progress), hands over injected faults
+                                        (heartbeat_route.py: a plain ASGI layer ahead of FastAPI's router)
     POST   /v1/nodes/{name}/faults      {"kind": "kill-node" | "fail-health" | "freeze-node" | "kill-worker"
                                         | "hang-worker", "rank": R (optional, worker faults)}
     POST   /v1/jobs                     submit (kind train: resolved config; kind command: argv) → 201
@@ -28,12 +29,9 @@ about processes beyond the backend's fault methods.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, TypeVar
+from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
@@ -41,19 +39,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from phalanx.control.server.dashboard import PUBLIC_PATHS, add_dashboard_routes
-from phalanx.control.server.heartbeat import answer_heartbeat
+from phalanx.control.server.heartbeat_route import HeartbeatRoute
 from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.server.links import LinkResponse
 from phalanx.control.server.metrics import ClusterCollector
 from phalanx.protocol import ProtocolMismatch, check_version
-from phalanx.protocol.messages import Heartbeat, JoinReply, JoinRequest
+from phalanx.protocol.messages import JoinReply, JoinRequest
 from phalanx.control.spec import agent_settings
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.state.store import ClusterStatus, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
 S = NodeState
-T = TypeVar("T")
 FAULT_KINDS = ("kill-node", "fail-health", "freeze-node", "kill-worker", "hang-worker")
 
 
@@ -122,34 +119,13 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
-async def inline_or_queued(fn: Callable[[], T], locks, queue: ThreadPoolExecutor) -> T:
-    """`fn()` on the event loop when every lock in `locks` is free at once, else on `queue`'s one thread. A
-    heartbeat's handling takes ~0.15 ms, less than a hand-off to a worker thread costs, but it takes the scheduler's
-    and the store's locks, which a reconciler tick holds for a while: the loop (every route) must never wait on
-    them. One thread, not Starlette's pool of 40: heartbeats take those locks in turn anyway, and 40 threads
-    contending for them (and the GIL) halved the rate the controller answered at 1,024 nodes."""
-    taken = []
-    try:
-        for lock in locks:
-            if not lock.acquire(blocking=False):
-                break
-            taken.append(lock)
-        else:
-            return fn()
-    finally:
-        for lock in reversed(taken):
-            lock.release()
-    return await asyncio.get_running_loop().run_in_executor(queue, fn)
-
-
-def build_app(ctl) -> FastAPI:
-    """`ctl`: the running controller (store, backend, token, request_exit, jobs, runs)."""
+def build_app(ctl):
+    """The controller's ASGI app. `ctl`: the running controller (store, backend, token, request_exit, jobs, runs)."""
     store: Store = ctl.store
     token = ctl.token.encode()
 
     app = FastAPI(title="phalanx controller", docs_url=None, redoc_url=None, openapi_url=None)
 
-    app.add_middleware(RequireToken, token=token)
 
     registry = CollectorRegistry(auto_describe=False)
     runs = getattr(ctl, "runs", None) or JobRuns()  # one follower of each job's run files: /metrics and the dashboard
@@ -176,26 +152,6 @@ def build_app(ctl) -> FastAPI:
     @app.get("/v1/events")
     def get_events(since_id: int = 0, node: str | None = None, limit: int | None = None) -> list[dict]:
         return store.events(since_id=since_id, node=node, limit=limit)
-
-    heartbeat_locks = [lock for lock in (getattr(ctl.jobs, "lock", None), store.lock) if lock is not None]
-    heartbeat_queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
-
-    @app.post("/v1/nodes/{name}/heartbeat")
-    async def heartbeat(name: str, hb: Heartbeat) -> dict:
-        try:
-            check_version(hb.protocol, f"the agent of node {name}")
-        except ProtocolMismatch as err:
-            raise HTTPException(409, str(err)) from None
-        return await inline_or_queued(lambda: _answer(name, hb), heartbeat_locks, heartbeat_queue)
-
-    def _answer(name: str, hb: Heartbeat) -> dict:
-        node = node_or_404(name)
-        if node.state == S.TERMINATED:
-            raise HTTPException(410, f"node {name} is terminated ({node.reason})")
-        if node.handle is not None and hb.handle != node.handle:
-            raise HTTPException(410, f"node {name} is run by the agent with handle {node.handle}, not {hb.handle}")
-        return answer_heartbeat(store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time(),
-                                getattr(ctl, "poke", None))
 
     links = getattr(ctl, "links", None)
 
@@ -380,4 +336,6 @@ def build_app(ctl) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
 
-    return app
+    # The token first, then heartbeats (POST /v1/nodes/{name}/heartbeat, `heartbeat_route.py`) answered before
+    # FastAPI and its middleware stack; everything else on to FastAPI.
+    return RequireToken(HeartbeatRoute(app, ctl), token)

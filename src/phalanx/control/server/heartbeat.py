@@ -23,10 +23,12 @@ def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node
     set, so an agent reads exactly what the controller decided). `poke` wakes the reconciler: called when the
     heartbeat brings news for a job changing generation (a worker's state changed, or the node is hurried), so
     the decision it waits on is taken now, not at the next tick."""
-    store.update_node(node.name, last_heartbeat=now, handle=hb.handle, health=hb.health,
-                      report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
-                              "standbys": hb.standbys, "address": hb.address, "ifname": hb.ifname,
-                              "free_ports": hb.free_ports})
+    if hb.handle != node.handle:
+        store.update_node(node.name, handle=hb.handle)  # (its first heartbeat: written now, not batched)
+    store.observe_node(node.name, last_heartbeat=now, health=hb.health,
+                       report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
+                               "standbys": hb.standbys, "address": hb.address, "ifname": hb.ifname,
+                               "free_ports": hb.free_ports})
     changed = jobs.ingest(node, hb.workers, hb.reply_sent_at)
     if hb.time_limit_warned_at is not None:
         jobs.time_limit_warned(node.name, hb.time_limit_warned_at)

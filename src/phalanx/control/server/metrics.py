@@ -66,11 +66,9 @@ class ClusterCollector:
                                 "Seconds since the node's last heartbeat (live nodes: not replacing or terminated)",
                                 labels=["node", "group", "role"])
         now = time.time()
-        rows = self.store.execute("SELECT name, group_name, is_spare, last_heartbeat FROM nodes "
-                                  "WHERE state NOT IN (?, ?) AND last_heartbeat IS NOT NULL", RETIRED)
-        for r in rows:
-            age.add_metric([r["name"], r["group_name"], "spare" if r["is_spare"] else "member"],
-                           max(0.0, now - r["last_heartbeat"]))
+        for n in self.store.nodes(include_terminated=False):  # (the controller's view: heartbeats are batched
+            if n.state.value not in RETIRED and n.last_heartbeat is not None:  # into SQLite, store.observe_node)
+                age.add_metric([n.name, n.group, "spare" if n.is_spare else "member"], max(0.0, now - n.last_heartbeat))
         yield age
         for name, doc, label, known in (
                 ("health_check_failures", "Health checks that failed a node, by check (every check a healthy "

@@ -221,4 +221,4 @@ class JobRecords:
 
     def set_node_ack(self, name: str, acked_at: float | None) -> None:
         if acked_at is not None:
-            self.store.update_node(name, acked_at=acked_at)
+            self.store.observe_node(name, acked_at=acked_at)

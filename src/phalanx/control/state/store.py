@@ -23,99 +23,27 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from phalanx.control.spec import ClusterSpec
 from phalanx.control.state.event_records import EventRecords
+from phalanx.control.state.node_rows import (  # noqa: F401 - the rows' types, imported from here by their users
+    ALLOWED, BRINGUP_STATES, FAULT_CAUSES, ClusterStatus, IllegalTransition, Node, NodeState, S, _node)
 from phalanx.control.state.schema import SCHEMA, migrate
 from phalanx.observability.events import EventKind
 
 
-class NodeState(str, Enum):
-    PROVISIONING = "provisioning"
-    CONFIGURING = "configuring"
-    HEALTH_CHECKING = "health-checking"
-    HEALTHY = "healthy"
-    FAULTY = "faulty"
-    REPLACING = "replacing"
-    TERMINATED = "terminated"
+OBSERVED = frozenset({"last_heartbeat", "acked_at", "health", "report"})  # what a heartbeat reports, batched
+FLUSH_S = 1.0  # the reconciler writes the batched observations at most this often
+JSON_COLUMNS = ("health", "report", "directives")
 
 
-S = NodeState
-ALLOWED: dict[NodeState, set[NodeState]] = {
-    S.PROVISIONING: {S.CONFIGURING, S.FAULTY, S.TERMINATED},
-    S.CONFIGURING: {S.HEALTH_CHECKING, S.FAULTY, S.TERMINATED},
-    S.HEALTH_CHECKING: {S.HEALTHY, S.FAULTY, S.TERMINATED},
-    S.HEALTHY: {S.FAULTY, S.TERMINATED},
-    S.FAULTY: {S.REPLACING, S.TERMINATED},
-    S.REPLACING: {S.TERMINATED},
-    S.TERMINATED: set(),
-}
-BRINGUP_STATES = (S.PROVISIONING, S.CONFIGURING, S.HEALTH_CHECKING)
-# Why a node went faulty (`nodes.fault_cause`, set by the reconciler): the bounded label of /metrics' node
-# faults and replacements.
-FAULT_CAUSES = ("agent-gone", "heartbeat-timeout", "provision-timeout", "bringup-failed", "health-check",
-                "deep-check", "hang", "straggler", "agent-start-failed", "scheduler")
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
-class ClusterStatus(str, Enum):
-    CREATING = "creating"  # nodes being brought up for the first time
-    IN_SERVICE = "in-service"  # every member node healthy
-    DEGRADED = "degraded"  # in service, but some member is not healthy (being replaced, or recovery=none)
-    FAILED = "failed"  # creation failed; nothing is running; inspect, then `cluster delete`
-    DELETING = "deleting"
-    DELETED = "deleted"
-
-
-@dataclass(frozen=True)
-class Node:
-    name: str
-    group: str
-    state: NodeState
-    is_spare: bool
-    reason: str | None
-    health: dict | None  # the agent's latest health report
-    report: dict | None  # the agent's latest bring-up report: phase, lifecycle result
-    directives: list  # faults waiting to be handed to the agent on its next heartbeat
-    last_heartbeat: float | None
-    handle: str | None  # the backend's opaque handle for the node's agent (`Backend.launch`)
-    work_dir: str
-    job: str | None
-    created_at: float
-    state_since: float
-    acked_at: float | None = None  # sent_at of the last heartbeat reply the agent acted on
-    fault_cause: str | None = None  # why it went faulty (one of FAULT_CAUSES)
-
-    @property
-    def live(self) -> bool:
-        """Counts towards its group (member or spare): not being retired."""
-        return self.state not in (S.REPLACING, S.TERMINATED)
-
-    def public(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["state"] = self.state.value
-        return d
-
-
-def _node(row: sqlite3.Row) -> Node:
-    return Node(
-        name=row["name"], group=row["group_name"], state=NodeState(row["state"]), is_spare=bool(row["is_spare"]),
-        reason=row["reason"], health=_loads(row["health_json"]), report=_loads(row["report_json"]),
-        directives=_loads(row["directives_json"]) or [], last_heartbeat=row["last_heartbeat"], handle=row["handle"],
-        work_dir=row["work_dir"], job=row["job"], created_at=row["created_at"], state_since=row["state_since"],
-        acked_at=row["acked_at"], fault_cause=row["fault_cause"],
-    )
-
-
-def _loads(text: str | None):
-    return None if text is None else json.loads(text)
+def _encoded(fields: dict) -> dict:
+    """Column → value as stored (the JSON columns' `_json` text)."""
+    return {(k + "_json" if k in JSON_COLUMNS else k): (json.dumps(v) if k in JSON_COLUMNS and v is not None else v)
+            for k, v in fields.items()}
 
 
 class Store(EventRecords):
@@ -131,6 +59,9 @@ class Store(EventRecords):
         self._owner = owner
         self._rows: dict[str, Node] | None = None  # owner: name → Node, loaded on the first read
         self._order: list[str] | None = None  # owner: names by (created_at, name), rebuilt when a node is added
+        self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite
+        self._flushed_at = 0.0  # (time.monotonic) the last flush_observed that wrote
+        self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
         self.clock = clock  # the time it stamps rows and events with (tests drive a fake one)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
@@ -154,6 +85,7 @@ class Store(EventRecords):
 
     def close(self) -> None:
         with self._lock:
+            self.flush_observed()
             self._db.close()
 
     def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
@@ -200,11 +132,19 @@ class Store(EventRecords):
         return ClusterSpec.model_validate_json(self.cluster()["spec_json"])
 
     def cluster(self) -> dict:
-        return dict(self._exec("SELECT * FROM cluster")[0])
+        """The cluster's row (a copy; the owner's read from memory: every heartbeat asks for its status)."""
+        with self._lock:
+            row = self._cluster_row if self._owner else None
+            if row is None:
+                row = dict(self._exec("SELECT * FROM cluster")[0])
+                self._cluster_row = row if self._owner else None
+            return dict(row)
 
     def update_cluster(self, **fields) -> None:
         cols = ", ".join(f"{k}=?" for k in fields)
-        self._exec(f"UPDATE cluster SET {cols}", tuple(fields.values()))
+        with self._lock:
+            self._cluster_row = None
+            self._exec(f"UPDATE cluster SET {cols}", tuple(fields.values()))
 
     def set_status(self, status: ClusterStatus, reason: str) -> None:
         old = self.cluster()["status"]
@@ -321,6 +261,8 @@ class Store(EventRecords):
                 return
             if name not in self._rows:
                 self._order = None
+            if self._observed.get(name):  # its heartbeat's observations first: the row read back must hold them
+                self._write_observed({name: self._observed.pop(name)})
             row = self._db.execute("SELECT * FROM nodes WHERE name=?", (name,)).fetchone()
             if row is None:
                 self._rows.pop(name, None)
@@ -330,20 +272,55 @@ class Store(EventRecords):
     def update_node(self, name: str, **fields) -> None:
         """Record observations (heartbeat time, handle, health) — never the state; see `transition`."""
         assert "state" not in fields, "use transition() to change a node's state"
-        encoded = {
-            (k + "_json" if k in ("health", "report", "directives") else k): (
-                json.dumps(v) if k in ("health", "report", "directives") and v is not None else v
-            )
-            for k, v in fields.items()
-        }
+        encoded = _encoded(fields)
         cols = ", ".join(f"{k}=?" for k in encoded)
         with self._lock:
+            for column in fields:  # written now: an older observation of it must not be flushed over it
+                self._observed.get(name, {}).pop(column, None)
             self._exec(f"UPDATE nodes SET {cols} WHERE name=?", (*encoded.values(), name))
             cached = self._rows.get(name) if self._owner and self._rows is not None else None
             if cached is not None:  # the values written, without reading the row back (a heartbeat's path)
                 self._rows[name] = replace(cached, **{k: bool(v) if k == "is_spare" else v for k, v in fields.items()})
             else:
                 self._written(name)
+
+    def observe_node(self, name: str, **fields) -> None:
+        """A heartbeat's observations (`OBSERVED` columns): in the owner's view at once, in SQLite at the next
+        `flush_observed` (the reconciler's tick, at most every FLUSH_S) or the node's next write. Two UPDATEs per
+        heartbeat were the largest part of its handling at a thousand agents (benchmarks/control_scale.py); a
+        controller killed loses at most FLUSH_S of heartbeat times, which its agents send again. Not the owner, or
+        a node it has not read yet: written now (`update_node`)."""
+        assert set(fields) <= OBSERVED, f"not a heartbeat's observation: {set(fields) - OBSERVED}"
+        with self._lock:
+            cached = self._rows.get(name) if self._owner and self._rows is not None else None
+            if cached is None:
+                self.update_node(name, **fields)
+                return
+            self._rows[name] = replace(cached, **fields)
+            self._observed.setdefault(name, {}).update(fields)
+
+    def flush_observed(self, *, every_s: float = 0.0) -> int:
+        """Write the observations `observe_node` kept (one transaction); not when the last flush that wrote was
+        less than `every_s` ago. Returns the nodes written."""
+        with self._lock:
+            if not self._observed or time.monotonic() - self._flushed_at < every_s:
+                return 0
+            pending, self._observed = self._observed, {}
+            self._write_observed(pending)
+            self._flushed_at = time.monotonic()
+            return len(pending)
+
+    def _write_observed(self, pending: dict[str, dict]) -> None:
+        by_columns: dict[tuple, list] = {}
+        for name, fields in pending.items():
+            if fields:
+                encoded = _encoded(fields)
+                by_columns.setdefault(tuple(encoded), []).append((*encoded.values(), name))
+        if not by_columns:
+            return
+        with self.transaction() as db:
+            for columns, rows in by_columns.items():
+                db.executemany(f"UPDATE nodes SET {', '.join(f'{c}=?' for c in columns)} WHERE name=?", rows)
 
     def add_directive(self, name: str, directive: str) -> None:
         """Queue something for the node's agent (handed over with the next heartbeat reply)."""
