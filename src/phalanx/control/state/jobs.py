@@ -205,10 +205,12 @@ class JobRecords:
     def reported_workers(self, node: str, jobs: set[str]) -> list[WorkerRecord]:
         """What a heartbeat from `node` is compared against: its live rows and its rows of the `jobs` its agent
         reports — not every row the node ever had (a heartbeat's read must not grow with the cluster's history)."""
-        sql = f"SELECT * FROM workers WHERE node=? AND state IN ({', '.join('?' * len(LIVE_WORKER))}) UNION " \
-              f"SELECT * FROM workers WHERE job IN ({', '.join('?' * len(jobs))}) AND +node=?"  # (+: by job, the
-        # primary key, not by node: the planner would read every row the node ever had)
-        return [_worker(r) for r in self.store.execute(sql, (node, *LIVE_WORKER, *sorted(jobs), node))]
+        sql, args = f"SELECT * FROM workers WHERE node=? AND state IN ({', '.join('?' * len(LIVE_WORKER))})", \
+            [node, *LIVE_WORKER]
+        if jobs:  # (+node: read by job, the primary key, not by node: every row the node ever had)
+            sql += f" UNION SELECT * FROM workers WHERE job IN ({', '.join('?' * len(jobs))}) AND +node=?"
+            args += [*sorted(jobs), node]
+        return [_worker(r) for r in self.store.execute(sql, tuple(args))]
 
     def put_worker(self, rec: dict) -> None:
         """Insert or replace one rank's record (keys: the `workers` columns)."""
