@@ -15,10 +15,13 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
   schedule     a command job on all N nodes submitted → the last agent's heartbeat reply carries its
                assignment (then cancelled)
   detect       one agent's last heartbeat → the controller marks its node faulty; and the excess over
-               heartbeat_timeout_s (what the reconciler adds to the timeout itself)
+               heartbeat_timeout_s (what the reconciler adds to the timeout itself): an agent that goes silent
+               and keeps its connections (a frozen host)
+  detect_gone  the same for an agent that dies (its connections closed, as a killed process's kernel does): its
+               link's close tells the controller (`health.link_grace_s`, 0.5 s), not the timeout
 
 Writes benchmarks/results/control_scale.json (summary per N: ready_s, hb_p50_ms, hb_p99_ms, hb_rate_ratio,
-cpu_cores, agents_cpu_cores, scrape_ms, schedule_s, detect_s, detect_excess_s).
+cpu_cores, agents_cpu_cores, scrape_ms, schedule_s, detect_s, detect_excess_s, detect_gone_s).
 
     PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes 64 256 1024
 """
@@ -56,13 +59,18 @@ class Conn:
     def __init__(self, host: str, port: int, token: str):
         self.host, self.port, self.token = host, port, token
         self.reader = self.writer = None
+        self.dead = False  # its agent was killed: no request goes out any more
 
     async def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         """One request; a connection the controller closed, or a reply that never came within REQUEST_TIMEOUT_S (an
         agent's own timeout), is tried again once on a new connection, as an HTTP client would."""
+        if self.dead:
+            raise ConnectionAbortedError("the agent was killed")
         try:
             return await asyncio.wait_for(self._request(method, path, body), REQUEST_TIMEOUT_S)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as err:
+            if self.dead:
+                raise ConnectionAbortedError("the agent was killed") from None
             print(f"{method} {path}: {type(err).__name__} {err}; again on a new connection", file=sys.stderr, flush=True)
             self.close()
             return await asyncio.wait_for(self._request(method, path, body), REQUEST_TIMEOUT_S)
@@ -102,6 +110,15 @@ class SimAgent:
         self.stopped = False
         self.assigned_at: dict[str, float] = {}
         self.last_sent: float | None = None  # wall time of the newest heartbeat sent
+        self.link_writer: asyncio.StreamWriter | None = None
+
+    def die(self) -> None:
+        """As a killed agent process: no more heartbeats, and its kernel closes its connections (the link's too)."""
+        self.silent = True
+        self.conn.dead = True
+        self.conn.close()
+        if self.link_writer is not None:
+            self.link_writer.close()
 
     async def join(self) -> None:
         while True:  # like `phalanx agent`: a 503 while the cluster is created (rows not all provisioned) is retried
@@ -119,6 +136,7 @@ class SimAgent:
         """The agent's link (`control/agent/link.py`): one more connection, held open while the agent lives (a
         silent agent keeps it: a frozen host closes nothing)."""
         reader, writer = await asyncio.open_connection(self.conn.host, self.conn.port)
+        self.link_writer = writer
         writer.write(f"GET /v1/nodes/{self.name}/link?handle={self.handle} HTTP/1.1\r\nHost: {self.conn.host}\r\n"
                      f"Authorization: Bearer {self.conn.token}\r\n\r\n".encode())
         await writer.drain()
@@ -143,7 +161,10 @@ class SimAgent:
             start = time.monotonic()
             if not self.silent:
                 self.last_sent = time.time()
-                status, reply = await self.conn.request("POST", f"/v1/nodes/{self.name}/heartbeat", self.body())
+                try:
+                    status, reply = await self.conn.request("POST", f"/v1/nodes/{self.name}/heartbeat", self.body())
+                except ConnectionAbortedError:
+                    break  # killed with a heartbeat in flight
                 took = time.monotonic() - start
                 self.bench.heartbeat(took)
                 if status != 200 or reply.get("action") == "terminate":
@@ -274,6 +295,18 @@ async def measure(n: int, window: float, root: Path) -> dict:
             break
         await asyncio.sleep(0.05)
 
+    killed = agents[n // 2 + 1]  # a killed agent: its link closes, the controller learns it without the timeout
+    await asyncio.sleep(interval)
+    killed.die()
+    died_at = killed.last_sent
+    detect_gone = None
+    while time.time() - died_at < timeout + 60:
+        node = await loop.run_in_executor(None, lambda: client.call("GET", f"/v1/nodes/{killed.name}"))
+        if node["state"] in ("faulty", "replacing", "terminated"):
+            detect_gone = node["state_since"] - died_at
+            break
+        await asyncio.sleep(0.05)
+
     await loop.run_in_executor(None, lambda: delete_cluster(spec.name, timeout_s=120))
     for a in agents:
         a.stopped = True
@@ -290,6 +323,7 @@ async def measure(n: int, window: float, root: Path) -> dict:
            "scrape_ms": round(1000 * statistics.median(scrapes), 2), "schedule_s": round(schedule, 3),
            "detect_s": round(detect, 3) if detect is not None else None,
            "detect_excess_s": round(detect - timeout, 3) if detect is not None else None,
+           "detect_gone_s": round(detect_gone, 3) if detect_gone is not None else None,
            "heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout}
     print(json.dumps(out), flush=True)
     return out
@@ -319,17 +353,17 @@ def main() -> None:
                 for name in list_clusters():
                     delete_cluster(name, timeout_s=30)
     print(f"{'N':>6} {'ready s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} {'rate':>6} {'cpu':>6} {'agents':>6} "
-          f"{'scrape ms':>10} {'schedule s':>11} {'detect s':>9}")
+          f"{'scrape ms':>10} {'schedule s':>11} {'detect s':>9} {'gone s':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['nodes']:>6} failed: {r['error']}")
             continue
         print(f"{r['nodes']:>6} {r['ready_s']:>8} {r['hb_p50_ms']:>10} {r['hb_p99_ms']:>10} {r['hb_rate_ratio']:>6} "
               f"{r['cpu_cores']:>6} {r['agents_cpu_cores']:>6} {r['scrape_ms']:>10} {r['schedule_s']:>11} "
-              f"{r['detect_s']!s:>9}")
+              f"{r['detect_s']!s:>9} {r['detect_gone_s']!s:>7}")
     summary = {f"{k}_{r['nodes']}": r[k] for r in rows if "error" not in r for k in (
         "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "agents_cpu_cores", "scrape_ms",
-        "schedule_s", "detect_s", "detect_excess_s")}
+        "schedule_s", "detect_s", "detect_excess_s", "detect_gone_s")}
     write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,
                              "command": "PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes "
                                         + " ".join(map(str, args.nodes))})

@@ -178,8 +178,11 @@ class Controller:
             self.jobs.republish()  # checkpointless workers watch their job's generation key
         reconciler = Reconciler(self.store, self.backend, started_at=started_at, request_exit=self.request_exit,
                                 jobs=self.jobs, deep_checks=self.deep_checks, links=self.links)
-        self.server = ControllerServer(self.links, uvicorn.Config(build_app(self), log_level="warning",
-                                                                  access_log=False, lifespan="off"))
+        # (no proxy-header rewriting, no Server or Date header: per-request work that every heartbeat would pay
+        # and nothing here reads)
+        self.server = ControllerServer(self.links, uvicorn.Config(
+            build_app(self), log_level="warning", access_log=False, lifespan="off", proxy_headers=False,
+            server_header=False, date_header=False))
         loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)
         loop.start()
         # uvicorn restores the handler it found and re-raises the signal after a graceful shutdown; this one
