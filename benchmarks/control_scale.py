@@ -17,7 +17,7 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
   detect       one agent's last heartbeat → the controller marks its node faulty; and the excess over
                heartbeat_timeout_s (what the reconciler adds to the timeout itself): an agent that goes silent
                and keeps its connections (a frozen host)
-  detect_gone  the same for an agent that dies (its connections closed, as a killed process's kernel does): its
+  detect_gone  an agent killed (its connections closed, as a killed process's kernel does) → its node faulty: its
                link's close tells the controller (`health.link_grace_s`, 0.5 s), not the timeout
 
 Writes benchmarks/results/control_scale.json (summary per N: ready_s, hb_p50_ms, hb_p99_ms, hb_rate_ratio,
@@ -297,8 +297,8 @@ async def measure(n: int, window: float, root: Path) -> dict:
 
     killed = agents[n // 2 + 1]  # a killed agent: its link closes, the controller learns it without the timeout
     await asyncio.sleep(interval)
+    died_at = time.time()  # (from the kill: the link closes then, whenever its last heartbeat was)
     killed.die()
-    died_at = killed.last_sent
     detect_gone = None
     while time.time() - died_at < timeout + 60:
         node = await loop.run_in_executor(None, lambda: client.call("GET", f"/v1/nodes/{killed.name}"))
