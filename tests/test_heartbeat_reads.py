@@ -68,3 +68,20 @@ def test_the_worker_rows_a_heartbeat_compares_are_the_live_and_reported_ones(tmp
     rows = c.jobs.records.workers(job=job.id, node="workers-0")
     assert rows and rows[0].state == "lost", rows
     c.close()
+
+
+def test_every_reader_of_the_controllers_store_sees_a_job_write_at_once(tmp_path):
+    """The jobs kept in memory are the store's, not one reader's: a write through one `JobRecords` is seen by
+    another over the same store (the /metrics collector's, say) at its next read."""
+    from phalanx.control.state.jobs import ACTIVE, JobRecords
+
+    c = FakeCluster(tmp_path, count=2, spares=0).create()
+    other = JobRecords(c.store)
+    assert other.jobs(ACTIVE) == []
+    job = c.submit(nodes=2)
+    c.run_until(lambda: c.jobs.records.job(job.id).state == JobState.RUNNING, "the job running")
+    assert [j.id for j in other.jobs(ACTIVE)] == [job.id]
+    assert other.generation(job.id, 1) == c.jobs.records.generation(job.id, 1) is not None
+    c.jobs.records.update_generation(job.id, 1, last_step=7)
+    assert other.generation(job.id, 1).last_step == 7
+    c.close()

@@ -41,7 +41,8 @@ class JobRecords:
 
     def __init__(self, store: Store):
         self.store = store
-        self._memo: dict | None = {} if store.owner else None  # read → result, until the next write (owner only)
+        # read → result until the next write; on the store, so every JobRecords over it shares it (owner only)
+        self._memo: dict | None = store.job_memo
 
     def _remember(self, key, read):
         """`read()`, kept in the memo until the next write of a job or generation (a read that is not the owner's

@@ -62,6 +62,7 @@ class Store(EventRecords):
         self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite
         self._flushed_at = 0.0  # (time.monotonic) the last flush_observed that wrote
         self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
+        self.job_memo: dict | None = {} if owner else None  # owner: `JobRecords`' reads, until its next write
         self.clock = clock  # the time it stamps rows and events with (tests drive a fake one)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
