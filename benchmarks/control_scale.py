@@ -3,7 +3,7 @@
 For each N in `--nodes` (default 64, 256, 1024): `phalanx cluster create` of a `backend: hosts` cluster of N
 nodes (one group, no spares) on loopback, and N simulated agents in one asyncio loop — no torch, no
 processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
-`heartbeat_interval_s` (0.5 s, the default) with the body a real agent sends (phase, lifecycle, health,
+`heartbeat_interval_s` (0.5 s, the default; `--heartbeat-interval S` sets it, and the timeout to 6 × S) with the body a real agent sends (phase, lifecycle, health,
 workers, address, free ports), and each holds its link open (`GET /v1/nodes/{name}/link`) as a real agent does. The controller, its reconciler and SQLite are the real ones. Measured:
 
   ready        first join → the cluster in service (every node healthy)
@@ -198,7 +198,7 @@ def http_get(url: str, token: str) -> tuple[float, bytes]:
     return time.perf_counter() - start, data
 
 
-async def measure(n: int, window: float, root: Path) -> dict:
+async def measure(n: int, window: float, root: Path, interval: float | None = None) -> dict:
     os.environ["PHALANX_HOME"] = str(root / f"home-{n}")
     from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
     from phalanx.control.spec import spec_from_dict
@@ -207,7 +207,8 @@ async def measure(n: int, window: float, root: Path) -> dict:
     spec = spec_from_dict({"name": f"scale{n}", "backend": "hosts", "api": {"host": "127.0.0.1"},
                            "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": n,
                                                 "warm_standby": False, "worker_template": False}],
-                           "health": {"provision_timeout_s": 600}})
+                           "health": {"provision_timeout_s": 600, **({} if interval is None else {
+                               "heartbeat_interval_s": interval, "heartbeat_timeout_s": 6 * interval})}})
     interval, timeout = spec.health.heartbeat_interval_s, spec.health.heartbeat_timeout_s
     created: dict = {}
     def create() -> None:
@@ -333,6 +334,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--window", type=float, default=15.0, help="seconds of steady heartbeats measured")
+    parser.add_argument("--heartbeat-interval", type=float, help="the agents' heartbeat period (timeout: 6 ×); "
+                        "default: the spec's (0.5 s, timeout 3 s)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -341,7 +344,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="phalanx-scale-") as tmp:
         for n in args.nodes:
             try:
-                rows.append(asyncio.run(measure(n, args.window, Path(tmp))))
+                rows.append(asyncio.run(measure(n, args.window, Path(tmp), args.heartbeat_interval)))
             except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
                 reason = str(err).splitlines()[0][:300]
                 print(f"N={n}: failed: {reason}", flush=True)
@@ -366,7 +369,9 @@ def main() -> None:
         "schedule_s", "detect_s", "detect_excess_s", "detect_gone_s")}
     write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,
                              "command": "PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes "
-                                        + " ".join(map(str, args.nodes))})
+                                        + " ".join(map(str, args.nodes)) + (
+                                            f" --heartbeat-interval {args.heartbeat_interval}"
+                                            if args.heartbeat_interval else "")})
 
 
 if __name__ == "__main__":
