@@ -37,7 +37,8 @@ class JobRecords:
     In the controller (the store's owner, the one writer of these tables) the reads every heartbeat makes — the
     jobs holding nodes and their current generations — are answered from memory until the next write of a job
     or generation: they were two full reads of the jobs table (every job ever submitted, each decoded from JSON)
-    per heartbeat, so the controller slowed with its history (benchmarks/heartbeat_cost.py)."""
+    per heartbeat, so the controller slowed with its history (benchmarks/heartbeat_cost.py). Records read from
+    memory are shared: treat their lists and dicts (nodes, faults, standbys, env, config, elastic) as read-only."""
 
     def __init__(self, store: Store):
         self.store = store

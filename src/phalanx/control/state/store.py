@@ -86,8 +86,10 @@ class Store(EventRecords):
 
     def close(self) -> None:
         with self._lock:
-            self.flush_observed()
-            self._db.close()
+            try:
+                self.flush_observed()  # the heartbeats' last observations
+            finally:
+                self._db.close()
 
     def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         """Run one statement and fetch its rows under the lock (never inside another thread's transaction)."""
