@@ -520,3 +520,17 @@ def test_deep_health_check_pairs_new_nodes_with_a_healthy_peer_and_fails_slow_li
         create_cluster(slow, timeout_s=120)
     flat = " ".join(str(err.value).split())
     assert "deep health check: bus bandwidth" in flat and "below deep_check_min_busbw_gbps=1e+06" in flat, flat
+
+
+def test_a_cluster_that_would_flood_one_controller_with_heartbeats_is_warned_about_with_the_fix():
+    from phalanx.control.spec import heartbeat_load_warning, spec_from_dict
+
+    def spec(count: int, interval: float):
+        return spec_from_dict({"name": "big", "backend": "hosts", "health": {
+            "heartbeat_interval_s": interval, "heartbeat_timeout_s": 6 * interval},
+            "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": 4}]})
+
+    assert heartbeat_load_warning(spec(1020, 0.5)) is None  # 2,048 a second: what one controller answered in full
+    warning = heartbeat_load_warning(spec(4092, 0.5))
+    assert "8,192 heartbeats a second" in warning and "raise health.heartbeat_interval_s to 2 or more" in warning
+    assert heartbeat_load_warning(spec(4092, 2.0)) is None

@@ -345,3 +345,21 @@ def agent_settings(spec: ClusterSpec, group: str) -> dict:
         "slurm_requeue": ({"job": spec.slurm.allocation, "after_s": spec.slurm.controller_lost_s}
                           if spec.slurm and spec.slurm.allocation else None),
     }
+
+
+HEARTBEATS_PER_S_TESTED = 2048  # about what one controller kept up with on 2 cores (1,024 nodes at 0.5 s)
+
+
+def heartbeat_load_warning(spec: ClusterSpec) -> str | None:
+    """A warning when the cluster's nodes would send one controller more heartbeats a second than it was measured
+    to keep up with (benchmarks/control_scale.py), with what to change; else None. `cluster create` prints it."""
+    nodes = sum(g.count + g.spares for g in spec.instance_groups)
+    rate = nodes / spec.health.heartbeat_interval_s
+    if rate <= HEARTBEATS_PER_S_TESTED:
+        return None
+    return (f"{nodes} nodes heartbeating every {spec.health.heartbeat_interval_s:g} s send the controller {rate:,.0f} "
+            f"heartbeats a second; one controller on 2 cores kept up with about {HEARTBEATS_PER_S_TESTED:,} a second "
+            f"(benchmarks/control_scale.py). If heartbeats arrive late (`phalanx cluster list-nodes`: heartbeat "
+            f"ages past the interval), raise health.heartbeat_interval_s to "
+            f"{nodes / HEARTBEATS_PER_S_TESTED:g} or more, and heartbeat_timeout_s with it: a node whose agent "
+            f"dies is still found by its link within about a second (docs/control-plane.md)")

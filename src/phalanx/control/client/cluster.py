@@ -36,7 +36,7 @@ from phalanx.control.backends.local import CONTROLLER_MODULE, process_running
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import (PRIVATE_UMASK, ClusterPaths, list_clusters, open_private_log, phalanx_home,
                                    write_private)
-from phalanx.control.spec import ClusterSpec, SpecError, load_spec
+from phalanx.control.spec import ClusterSpec, SpecError, heartbeat_load_warning, load_spec
 from phalanx.control.state.store import ClusterStatus, NodeState, Store, open_existing
 
 
@@ -225,6 +225,8 @@ def create_cluster(spec: ClusterSpec | Path | str, *, timeout_s: float = 300.0, 
         raise ClusterRefused(f"cluster {spec.name!r} already exists at {paths.root}; choose another name, or "
                              f"`phalanx cluster delete {spec.name}` first")
     _check_api_port(spec)
+    if warning := heartbeat_load_warning(spec):  # (a warning: the figure is one machine's)
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     paths.root.parent.mkdir(parents=True, exist_ok=True)
     try:
         paths.root.mkdir(mode=0o700)
