@@ -288,25 +288,24 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     await asyncio.sleep(interval)  # its heartbeat in flight, if any, lands
     silent_at = victim.last_sent  # the heartbeat timeout counts from the newest heartbeat received
     client = ClusterClient(spec.name, timeout_s=60)
-    detect = None
-    while time.time() - silent_at < timeout + 60:
-        node = await loop.run_in_executor(None, lambda: client.call("GET", f"/v1/nodes/{victim.name}"))
-        if node["state"] in ("faulty", "replacing", "terminated"):
-            detect = node["state_since"] - silent_at
-            break
-        await asyncio.sleep(0.05)
+
+    async def faulty_after(agent: SimAgent, since: float) -> float | None:
+        """Seconds from `since` to the controller marking `agent`'s node faulty (its `state_since`); None: not
+        within the timeout + 60 s."""
+        while time.time() - since < timeout + 60:
+            node = await loop.run_in_executor(None, lambda: client.call("GET", f"/v1/nodes/{agent.name}"))
+            if node["state"] in ("faulty", "replacing", "terminated"):
+                return node["state_since"] - since
+            await asyncio.sleep(0.05)
+        return None
+
+    detect = await faulty_after(victim, silent_at)
 
     killed = agents[n // 2 + 1]  # a killed agent: its link closes, the controller learns it without the timeout
     await asyncio.sleep(interval)
     died_at = time.time()  # (from the kill: the link closes then, whenever its last heartbeat was)
     killed.die()
-    detect_gone = None
-    while time.time() - died_at < timeout + 60:
-        node = await loop.run_in_executor(None, lambda: client.call("GET", f"/v1/nodes/{killed.name}"))
-        if node["state"] in ("faulty", "replacing", "terminated"):
-            detect_gone = node["state_since"] - died_at
-            break
-        await asyncio.sleep(0.05)
+    detect_gone = await faulty_after(killed, died_at)
 
     await loop.run_in_executor(None, lambda: delete_cluster(spec.name, timeout_s=120))
     for a in agents:
