@@ -12,6 +12,11 @@ recipe, fp32, FSDP over 4 ranks, gloo on CPU, 4 processes on this machine):
   step_cpu_ms       one training step (its process CPU), for scale
   per_step_share    (capture + seal + exchange + the arrival check where there is one) ÷ step: the CPU a snapshot
                     every step adds
+  snapshot_cpu_ms   a whole snapshot as training takes it, through the production class (`BuddySnapshots`:
+                    `after_step()` then `wait()`, the step counter moved on between them, no training between):
+                    process CPU, all threads. The pieces above call `exchange()`, the two-round transfer that a
+                    snapshot now uses only for a generation's first exchange (or a changed layout); this figure
+                    follows whatever the version's snapshots do.
 
 Medians over `--iterations` snapshots per rank; rank 0's figures (the others are printed). Runs on any
 version of `phalanx.resilience` (so a before/after pair is `PYTHONPATH=<tree>/src` on two trees).
@@ -66,6 +71,26 @@ def _interleaved(trainer, blocks: int, block_steps: int, intervals: list[int]) -
         snapshots.release()
         out[f"every_{interval}"] = seconds
     return out
+
+
+def _whole_snapshots(trainer, iterations: int) -> float:
+    """Median process CPU of one snapshot through `BuddySnapshots` (see `snapshot_cpu_ms` above), in seconds."""
+    import torch.distributed as dist
+
+    from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
+
+    snapshots = BuddySnapshots(trainer, SnapshotShelf(), interval=1, workers_per_node=1)
+    step, cpu = trainer.progress.step, []
+    for _ in range(iterations + 5):
+        trainer.progress.step += 1
+        dist.barrier()
+        c = time.process_time()
+        snapshots.after_step()
+        snapshots.wait()
+        cpu.append(time.process_time() - c)
+    snapshots.release()
+    trainer.progress.step = step
+    return median(cpu[5:])
 
 
 def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, out_dir: str,
@@ -137,6 +162,7 @@ def _rank_main(rank: int, port: int, data: str, run_dir: str, iterations: int, o
         if reuse:
             spare[:] = [state.data, copy.data]
     result = {f"{k}_cpu_ms": median(v[3:]) * 1e3 for k, v in figures.items()}
+    result["snapshot_cpu_ms"] = _whole_snapshots(trainer, iterations) * 1e3
     result["step_cpu_ms"] = median(step_cpu) * 1e3
     result["checked_on_arrival"] = not lazy
     # an arrival check is inside `exchange` (already in exchange_cpu_ms) where the version checks on arrival

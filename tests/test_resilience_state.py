@@ -65,12 +65,16 @@ def test_state_from_a_peer_replica_continues_training_bit_exactly(tmp_path, demo
     assert got[0]["nbytes"] > 0
 
 
-def _snapshots_reuse(run_dir, data, steps):
+def _snapshots_reuse(run_dir, data, steps, frame_head=None):
     import torch.distributed as dist
 
+    from phalanx.resilience import snapshots as snapshots_module
     from phalanx.resilience.restore import ShardState
     from phalanx.resilience.snapshots import BuddySnapshots, SnapshotShelf
     from phalanx.train.trainer import Trainer
+
+    if frame_head is not None:  # a header that outgrows its frame's room: every snapshot goes in full
+        snapshots_module.FRAME_HEAD = frame_head
 
     config = tiny_config(run_dir, data, parallel={"dp_replicate": 1, "dp_shard": 4},
                          checkpoint={"interval": 0, "resume": False})
@@ -78,7 +82,11 @@ def _snapshots_reuse(run_dir, data, steps):
     shelf = SnapshotShelf()
     snapshots = BuddySnapshots(trainer, shelf, interval=1, workers_per_node=1)
     out = {"own_matches": [], "peer_checks": [], "buffers": set(), "plans": 0}
-    plan = None
+    # as a generation starts (run.py): before the first step the optimizer has no state yet, so the layout the
+    # buddy learns in this first, full exchange changes at the next snapshot, which must go in full again
+    snapshots.after_step(force=True)
+    snapshots.wait()
+    plan = snapshots._plan
     for step in range(steps):
         if step == steps // 2:
             # a restore writes the state back: the optimizer's tensors are new objects, so the plan must follow
@@ -93,11 +101,13 @@ def _snapshots_reuse(run_dir, data, steps):
             for e in own.entries))
         peer = shelf.peer[trainer.progress.step]
         peer.verify()  # the ward's copy, through a reused buffer, matches the checksum taken where it was captured
-        out["peer_checks"].append(peer.verified)
+        out["peer_checks"].append(peer.verified and (peer.step, peer.samples_consumed, peer.extra["scheduler"])
+                                  == (own.step, own.samples_consumed, own.extra["scheduler"]))
         out["buffers"].add(own.data.data_ptr())
         out["plans"] += snapshots._plan is not plan
         plan = snapshots._plan
     out["buffers"] = len(out["buffers"])
+    out["full_exchanges"] = snapshots.full_exchanges
     out["rank"] = dist.get_rank()
     snapshots.release()
     return out
@@ -110,4 +120,16 @@ def test_buddy_snapshots_reuse_buffers_and_their_plan_without_going_stale(tmp_pa
         assert all(r["own_matches"]), r  # every kept copy equals a fresh capture of the live state, bit for bit
         assert all(r["peer_checks"]), r
         assert r["buffers"] <= 4, r  # the copies cycle through the buffers of dropped ones, not a new one each step
-        assert r["plans"] == 2, r  # worked out once, and again after the restore replaced the optimizer's tensors
+        # worked out again after the first step (the optimizer's state appeared) and after the restore
+        assert r["plans"] == 2, r
+        # in full: the first exchange and the one after the layout changed; every other snapshot in one frame (a
+        # restore gives new tensors in the same places)
+        assert r["full_exchanges"] == 2, r
+
+
+@pytest.mark.slow
+def test_buddy_snapshots_whose_header_outgrows_the_frame_go_in_full(tmp_path, demo_data):
+    got = run_distributed(_snapshots_reuse, 4, tmp_path / "a", tmp_path / "run", demo_data, 4, 4096)
+    for r in got:
+        assert all(r["own_matches"]) and all(r["peer_checks"]), r
+        assert r["full_exchanges"] == 5, r  # the forced first one and each of the 4 steps

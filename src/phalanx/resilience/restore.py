@@ -185,11 +185,11 @@ class CapturePlan:
 
     @classmethod
     def of(cls, trainer, previous: "CapturePlan | None" = None) -> "CapturePlan":
-        tensors = trainer.state.local_tensors()
         # a view keeps its storage alive, so a pointer seen again is the same storage, not a reused address
-        key = tuple((k, t.data_ptr(), t.dtype, t.shape) for k, t in tensors)
+        key = trainer.state.local_key()
         if previous is not None and previous.key == key:
             return previous
+        tensors = trainer.state.local_tensors()
         if not all(t.is_contiguous() for _, t in tensors):
             key = None  # flattening copies such a tensor: the plan holds its value now, so it is used once
         groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}

@@ -161,6 +161,20 @@ class TrainState:
                     tensors.append((f"optim/{name}/{key}", _local(value).detach()))
         return tensors
 
+    def local_key(self) -> tuple:
+        """What `local_tensors` lists, as (storage address, dtype, shape) in the same order, read without making a
+        tensor or a name (`local_tensors` detaches 156 tensors of the tiny model: ~0.5 ms). Buddy snapshots
+        compare it each snapshot to keep their capture plan while the tensors stay where they were."""
+        key = []
+        for p in self.sharded_params.values():
+            t = _local(p)
+            key.append((t.data_ptr(), t.dtype, t.shape))
+            for name, value in sorted(self.optimizer.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    value = _local(value)
+                    key.append((name, value.data_ptr(), value.dtype, value.shape))
+        return tuple(key)
+
     def local_param_layout(self) -> dict[str, tuple[str, tuple]]:
         """{"param/<name>": (dtype, local shape)}: what `load_local` needs to find for every parameter."""
         return {f"param/{name}": (str(p.dtype), tuple(_local(p).shape)) for name, p in self.sharded_params.items()}
