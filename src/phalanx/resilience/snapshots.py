@@ -287,7 +287,8 @@ class BuddySnapshots:
             self._copying = None
 
     def wait(self) -> None:
-        self._idle.wait()
+        if self._thread is not None:  # not after `release`: its thread may be blocked on a dead peer
+            self._idle.wait()
 
     def release(self) -> None:
         """Drop the group (a fault: don't wait for a thread that may be blocked on a dead peer). A GPU copy in
