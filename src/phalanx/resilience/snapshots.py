@@ -67,6 +67,11 @@ class Layout:
         self.coord, self.signature = state.coord, state.signature
         self.entries, self.nbytes = state.entries, state.nbytes
 
+    def fits(self, plan: CapturePlan) -> bool:
+        """A capture by `plan` puts every tensor where this layout says (new tensors in the same places)."""
+        return (self.coord, self.signature, self.nbytes, self.entries) == (plan.coord, plan.signature, plan.nbytes,
+                                                                          plan.entries)
+
     @property
     def frame_bytes(self) -> int:
         return FRAME_HEAD + self.nbytes
@@ -215,9 +220,7 @@ class BuddySnapshots:
             raise kind(f"buddy snapshot exchange failed: {self.error}") from self.error
         epoch = self.shelf.epoch
         self._plan = plan = CapturePlan.of(self.trainer, self._plan)
-        if self._told is not None and plan is not self._told_plan and self._told.nbytes == plan.nbytes and (
-                self._told.coord, self._told.signature, self._told.entries) == (plan.coord, plan.signature,
-                                                                               plan.entries):
+        if self._told is not None and plan is not self._told_plan and self._told.fits(plan):
             self._told_plan = plan  # new tensors in the same places (a restore): frames go on
         framed = plan is self._told_plan
         state = ShardState.capture(self.trainer, stream=self._stream, plan=plan,
