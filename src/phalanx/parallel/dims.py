@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from phalanx.parallel.mesh_cache import reuse_or_clear
+
 
 class ParallelConfigError(ValueError):
     """Degrees that cannot tile the world size or the model."""
@@ -164,6 +166,15 @@ class ParallelMesh:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
+    """The meshes for `dims` on the current default group. DTensor's caches from the meshes built before are kept
+    when they fit these (the same rank of the same world, a checkpointless regroup), else cleared (`mesh_cache`)."""
+    mesh = _build_mesh(dims, device_type)
+    reuse_or_clear([m for m in (mesh.dp, mesh.tp, mesh.ep, mesh.expert_dp) if m is not None],
+                   [mesh.dp_group] if mesh.dp_group is not None else [])
+    return mesh
+
+
+def _build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
     r, s, tp, ep = dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep
     if tp > 1:
         shape, names = ((r, s, tp), ("dp_replicate", "dp_shard", "tp")) if r > 1 else ((s, tp), ("dp_shard", "tp"))

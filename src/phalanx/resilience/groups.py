@@ -16,14 +16,17 @@ import time
 import torch
 import torch.distributed as dist
 
+from phalanx.parallel.mesh_cache import let_go_of_groups
+
 
 def release_process_groups(marks: dict | None = None) -> None:
     """Destroy the process groups and drop the last references Python keeps to them, so their sockets close
     now (a peer blocked on this rank then fails at once instead of waiting out its timeout). Besides the
-    model and optimizer (already dropped by the caller), DTensor's caches — sharding propagation (Python
-    and C++), redistribution plans, mesh topology — hold specs or meshes, and a mesh holds its groups."""
+    model and optimizer (already dropped by the caller), DTensor's caches hold specs and their meshes, and a
+    mesh holds its groups: the meshes let go of them here, and the caches stay for the next generation where
+    its meshes fit them (`phalanx.parallel.mesh_cache`)."""
     marks = {} if marks is None else marks
-    _clear_dtensor_caches()
+    let_go_of_groups()
     marks["caches"] = time.time()
     gc.collect()  # FSDP modules hold reference cycles
     marks["gc"] = time.time()
@@ -68,28 +71,3 @@ def warm_up(device: torch.device) -> None:
             del model, optimizer, loss, _aux
     finally:
         release_process_groups()
-
-
-def _clear_dtensor_caches() -> None:
-    try:
-        from torch.distributed.tensor import DTensor
-
-        propagator = DTensor._op_dispatcher.sharding_propagator
-    except (ImportError, AttributeError):  # pragma: no cover - other torch layouts
-        return
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        cached = getattr(propagator, name, None)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):
-        torch._C._clear_DTensor_sharding_propagator_cache()
-    try:
-        from torch.distributed.tensor import _collective_utils, _redistribute
-    except ImportError:  # pragma: no cover
-        return
-    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
-                   getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)):
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
-        _redistribute.clear_redistribute_planner_cache()
