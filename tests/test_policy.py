@@ -762,6 +762,38 @@ def test_a_checkpointless_node_fault_recovers_in_place_with_survivors_carried_an
     assert "training resumed at step 16 on 2 ranks, 0 committed step(s) redone" in kinds["resumed"]
 
 
+def test_the_spare_refill_waits_for_the_relaunched_generations_first_step_at_most_refill_hold_s(make):
+    from phalanx.control.policy.reconciler import REFILL_HOLD_S
+
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    running(c, job.id, 1)
+    c.inject_fault("workers-1", "kill-node")
+    c.step()  # the spare promoted and generation 2 started in this tick: the refill waits
+    assert c.job(job.id).generation == 2 and "workers-3" not in c.backend.launched()
+    running(c, job.id, 2)
+    c.steps(2)
+    assert "workers-3" not in c.backend.launched(), "no first step yet: still held"
+    for rank in (0, 1):
+        c.report_step(job.id, 2, rank, 5)  # where the generation starts
+    c.step()
+    for rank in (0, 1):
+        c.report_step(job.id, 2, rank, 6)  # its first step
+    c.run_until(lambda: "workers-3" in c.backend.launched(), "the refill once the first step is in")
+    assert c.generations(job.id)[1].first_step_at is not None
+    (refill,) = [e for e in c.events(node="workers-3")]
+    assert "refilling spare pool" in refill["reason"]
+
+    # a relaunch whose first step never comes holds the refill REFILL_HOLD_S at most
+    c.run_until(lambda: state(c, "workers-3") == "healthy", "the new spare healthy")
+    c.inject_fault("workers-0", "kill-node")
+    c.step()
+    started = c.generations(job.id)[2].started_at
+    c.run_until(lambda: "workers-4" in c.backend.launched(), "the refill after the hold", max_steps=60)
+    (refill,) = [e for e in c.events(node="workers-4")]
+    assert REFILL_HOLD_S <= refill["time"] - started <= REFILL_HOLD_S + 2 * c.interval
+
+
 def test_a_checkpointless_node_fault_marks_the_dead_nodes_worker_lost_not_running(make):
     c = make(count=2, spares=1).create()
     job = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)

@@ -16,7 +16,8 @@ Each tick:
   jobs      `JobScheduler.advance`: start the next generation of pending/recovering jobs on healthy nodes
   retire    replacing nodes: SIGTERM, SIGKILL after a grace period, then terminated
   refill    provision nodes until every group has `count` members and `spares` spares; the backend starts
-            them (`flush`: Slurm gets one allocation for the nodes of one tick)
+            them (`flush`: Slurm gets one allocation for the nodes of one tick). Spares wait while a job
+            relaunched after a fault has not made its first step (at most REFILL_HOLD_S)
 
 One log line per fault says what happened and what happens next. Knows nothing about HTTP; reaches
 processes only through the backend.
@@ -35,6 +36,10 @@ from phalanx.observability.events import EventKind as E
 log = logging.getLogger("phalanx.reconciler")
 S = NodeState
 TERMINATE_GRACE_S = 5.0
+# A spare refill waits (at most this long) while a job relaunched after a fault has not made its first step: on the
+# local backend the new node's agent, worker template and warm standby start on the cores the recovering ranks use
+# (a checkpointless recovery took longer with them); elsewhere a refill takes far longer than the wait anyway.
+REFILL_HOLD_S = 10.0
 MAX_PROVISION_FAILURES = 3
 
 
@@ -296,10 +301,16 @@ class Reconciler:
             for i in range(members, g["count"]):
                 why = f"initial member {i + 1}/{g['count']}" if creating else f"member {i + 1}/{g['count']} missing"
                 self.provision(g["name"], is_spare=False, reason=f"group {g['name']}: {why}")
+            if spares < g["spares"] and not creating and self._refill_held():
+                continue
             for i in range(spares, g["spares"]):
                 why = (f"initial spare {i + 1}/{g['spares']}" if creating
                        else f"refilling spare pool ({i + 1}/{g['spares']})")
                 self.provision(g["name"], is_spare=True, reason=f"group {g['name']}: {why}")
+
+    def _refill_held(self) -> bool:
+        since = self.jobs.relaunched_since() if self.jobs is not None else None
+        return since is not None and self.clock() - since < REFILL_HOLD_S
 
     def provision(self, group: str, *, is_spare: bool, reason: str) -> None:
         node = self.store.add_node(group, is_spare=is_spare, work_root=self.backend.work_root(),

@@ -273,6 +273,18 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
             if node.job != holder.get(node.name):
                 self.store.update_node(node.name, job=holder.get(node.name))
 
+    def relaunched_since(self) -> float | None:
+        """The start of the oldest generation that a fault or a resize began and that has not made its first step
+        yet (None: there is none, or a job is between generations and may be waiting for a node). The reconciler
+        holds spare refills back meanwhile (`Reconciler.refill`)."""
+        with self.lock:
+            if self.records.jobs((J.RECOVERING,)):
+                return None
+            starts = [gen.started_at for job in self.records.jobs((J.RUNNING,))
+                      if (gen := self.records.generation(job.id, job.generation)) is not None
+                      and gen.generation > 1 and gen.first_step_at is None]
+            return min(starts, default=None)
+
     # ---- ticks: advance (after node recovery) -------------------------------------------------------
     def advance(self, now: float) -> None:
         with self.lock:
