@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -11,7 +12,7 @@ from conftest import run_training, tiny_config
 from phalanx.models import get_preset
 from phalanx.train.metrics import read_metrics
 from phalanx.train.mfu import flops_per_token, mfu, peak_flops_per_s
-from phalanx.train.tensorboard import SCALARS, TensorBoardScalars
+from phalanx.train.tensorboard import FLUSH_SECS, SCALARS, TensorBoardScalars
 
 
 def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
@@ -68,7 +69,10 @@ def test_a_rollback_in_one_process_replaces_the_later_steps(tmp_path):
     tb = TensorBoardScalars(tmp_path / "tb")
     for step in range(1, 6):
         tb.write(record(step, 10.0 + step))
-    assert [step for step, _ in scalars(tmp_path / "tb")["loss"]] == [1, 2, 3, 4, 5]  # flushed: visible live
+    deadline = time.monotonic() + 3 * FLUSH_SECS  # live: the writer's thread flushes within FLUSH_SECS
+    while [step for step, _ in scalars(tmp_path / "tb").get("loss", [])] != [1, 2, 3, 4, 5]:
+        assert time.monotonic() < deadline, scalars(tmp_path / "tb")
+        time.sleep(0.05)
     for step in range(3, 5):  # rolled back to 2: steps 3, 4 again
         tb.write(record(step, 20.0 + step))
     tb.close()

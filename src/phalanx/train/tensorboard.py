@@ -9,8 +9,10 @@ before at that step or later), and opened again the same way when a step at or b
 with the second the file was opened: a writer opening in the same second as the newest file there waits for the
 next second (at most 1 s), so the newer file sorts last.
 
-Each step's scalars are flushed to the file once written (well under a millisecond a step), so a live run is
-visible at once and a rank 0 killed later loses none of them. Knows nothing about models, parallelism or
+The writer's own thread flushes the file every FLUSH_SECS (1 s), and closing the writer flushes it: a live run is
+visible within a second, and a rank 0 killed loses at most its last second of scalars (metrics.jsonl has every
+step). A flush after every step cost the training thread ~1 ms a step on the 2-core CPU box (it waits for the
+writer's thread), ~0.7 % of a 140 ms step that every rank waits for. Knows nothing about models, parallelism or
 recovery: it sees step records.
 """
 
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 
 SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
-FLUSH_SECS = 10.0  # a backstop: `write` flushes each step
+FLUSH_SECS = 1.0  # the writer thread flushes at least this often
 EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
@@ -56,7 +58,6 @@ class TensorBoardScalars:
             value = record.get(tag)
             if value is not None:
                 self._writer.add_scalar(tag, value, global_step=step, walltime=walltime)
-        self._writer.flush()
         self._last_step = step
 
     def _open(self, purge_step: int):
