@@ -178,6 +178,11 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=150.0, help="seconds of each run (BENCHMARKS.md: 300)")
     parser.add_argument("--period", type=float, default=30.0, help="seconds between kills")
     parser.add_argument("--interval", type=int, default=25, help="checkpoint interval (steps)")
+    parser.add_argument("--checkpointless-interval", type=int, default=None,
+                        help="the checkpointless job's checkpoint interval (steps; default: --interval): its peers "
+                             "hold the state a fault loses, so its checkpoint is only the fallback")
+    parser.add_argument("--async-save", action="store_true", help="every harness saves its checkpoints "
+                        "asynchronously (checkpoint.async: only the staging blocks training)")
     parser.add_argument("--harness", default="checkpointless,phalanx,torchrun")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "goodput.json")
     args = parser.parse_args()
@@ -195,14 +200,22 @@ def main() -> None:
         else:
             runners.append(TorchrunRun(root))
     samples: dict[str, list[dict]] = {r.name: [] for r in runners}
+    intervals = {r.name: args.interval for r in runners}
+    if args.checkpointless_interval is not None and "checkpointless" in intervals:
+        intervals["checkpointless"] = args.checkpointless_interval
+
+    def tree(run_dir: Path, harness: str) -> dict:
+        t = job_tree(run_dir, data, FOREVER, intervals[harness])
+        t["checkpoint"]["async"] = args.async_save
+        return t
+
     try:
         for i in range(args.runs):
             for r in runners:
                 pair = [(f"{r.name}-free-{i}", None), (f"{r.name}-{i}", args.period)]
                 if i % 2:  # alternate which runs first: the second run on a cluster is not the first's equal
                     pair.reverse()
-                done = {name: r.run(job_tree(root / name, data, FOREVER, args.interval), args.duration, period)
-                        for name, period in pair}
+                done = {name: r.run(tree(root / name, r.name), args.duration, period) for name, period in pair}
                 free, s = done[f"{r.name}-free-{i}"], done[f"{r.name}-{i}"]
                 s["order"] = "failure-free first" if i % 2 == 0 else "faulty first"
                 s["failure_free"] = free
@@ -228,7 +241,7 @@ def main() -> None:
         "benchmark": "goodput",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/goodput.py " + " ".join(sys.argv[1:]),
         "config": {"nodes": NODES, "spares": 1, "duration_s": args.duration, "period_s": args.period,
-                   "checkpoint_interval": args.interval,
+                   "checkpoint_interval": args.interval, "checkpoint_intervals": intervals, "async_save": args.async_save,
                    "rank_order": RANK_ORDER, "job": job_tree(Path("<run_dir>"), Path("<data>"), FOREVER, args.interval)},
         "samples": samples, "summary": summary,
     })
