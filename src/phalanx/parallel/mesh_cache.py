@@ -6,7 +6,7 @@ mesh topology — keyed by specs whose meshes compare equal by layout alone. A c
 generation's meshes would serve the next one, and refilling it costs the first step after a recovery 0.3–0.5 s
 on a 2-core CPU box (every operator's propagation again). Two things made keeping it unsafe:
 
-- a cached spec holds its mesh, and a torch ≥ 2.10 root mesh holds its process groups (`_pg_registry`): the old
+- a cached spec holds its mesh, and a root mesh holds its process groups (`_pg_registry`, torch 2.13 here): the old
   generation's sockets would stay open, and a peer blocked on this rank would wait out its timeout instead of
   failing at once;
 - a mesh fixes this rank's coordinates when it is made: a spec made when this process was another rank would
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-_roots: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()  # by id: meshes compare by layout
+# The root meshes built here, by id (meshes compare equal by layout: a set would keep one of two generations')
+_roots: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
 _built_for: tuple | None = None  # the signature of the meshes the caches were filled on (None: unknown)
 
 
