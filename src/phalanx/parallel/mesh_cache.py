@@ -64,10 +64,9 @@ def signature(meshes: list[DeviceMesh], extra_groups: list) -> tuple | None:
     return dist.get_rank(), dist.get_world_size(), tuple(parts), extra
 
 
-def reuse_or_clear(meshes: list[DeviceMesh], extra_groups: list = ()) -> bool:
+def reuse_or_clear(meshes: list[DeviceMesh], extra_groups: list = ()) -> None:
     """After `build_mesh` made `meshes` (and `extra_groups` beside them): keep DTensor's caches if they were filled
-    on meshes of the same signature — pointing the old meshes' registries at the new groups — else clear them.
-    True when kept."""
+    on meshes of the same signature — pointing the old meshes' registries at the new groups — else clear them."""
     global _built_for
     new = signature(meshes, list(extra_groups))
     kept = new is not None and new == _built_for
@@ -84,18 +83,14 @@ def reuse_or_clear(meshes: list[DeviceMesh], extra_groups: list = ()) -> bool:
     for key, root in new_roots.items():
         _roots[key] = root
     _built_for = new
-    return kept
 
 
 def let_go_of_groups() -> None:
     """Drop the references the meshes built here hold to their process groups, so destroying the groups closes
     their sockets even while DTensor's caches keep the meshes."""
-    for mesh in list(_roots.values()):
-        registry = getattr(mesh, "_pg_registry", None)
-        if isinstance(registry, dict):
-            registry.clear()
-        for flat in list(getattr(mesh, "_flatten_mapping", {}).values()):
-            registry = getattr(flat, "_pg_registry", None)
+    for root in list(_roots.values()):
+        for mesh in (root, *getattr(root, "_flatten_mapping", {}).values()):
+            registry = getattr(mesh, "_pg_registry", None)
             if isinstance(registry, dict):
                 registry.clear()
 
