@@ -1,7 +1,7 @@
 """The control plane at scale: the real controller against N simulated agents.
 
 For each N in `--nodes` (default 64, 256, 1024): `phalanx cluster create` of a `backend: hosts` cluster of N
-nodes (one group, no spares) on loopback, and N simulated agents in one asyncio loop — no torch, no
+nodes (one group, no spares) on loopback, and N simulated agents in one asyncio loop — no torch in the agents, no
 processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
 `heartbeat_interval_s` (0.5 s, the default; `--heartbeat-interval S` sets it, and the timeout to 6 × S) with the body a real agent sends (phase, lifecycle, health,
 workers, address, free ports), and each holds its link open (`GET /v1/nodes/{name}/link`) as a real agent does. The controller, its reconciler and SQLite are the real ones. Measured:
@@ -13,7 +13,12 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
                simulated agents' (this process: at 1.0 their own loop is late, and so are the latencies it times)
   scrape       GET /metrics, median of 5
   schedule     a command job on all N nodes submitted → the last agent's heartbeat reply carries its
-               assignment (then cancelled)
+               assignment
+  busy         the job "runs" (each simulated agent reports its worker running, as a real agent does, and each
+               rank's step, beat and step time are in the controller's store, written once from this process
+               with torch's TCPStore client, as workers keep them): the heartbeats' p50 / p99 and the controller's
+               CPU over a second window
+  stop         the job cancelled → every worker confirmed stopped by its agent (its generation ended)
   detect       one agent's last heartbeat → the controller marks its node faulty; and the excess over
                heartbeat_timeout_s (what the reconciler adds to the timeout itself): an agent that goes silent
                and keeps its connections (a frozen host)
@@ -21,7 +26,8 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
                link's close tells the controller (`health.link_grace_s`, 0.5 s), not the timeout
 
 Writes benchmarks/results/control_scale.json (summary per N: ready_s, hb_p50_ms, hb_p99_ms, hb_rate_ratio,
-cpu_cores, agents_cpu_cores, scrape_ms, schedule_s, detect_s, detect_excess_s, detect_gone_s).
+cpu_cores, agents_cpu_cores, scrape_ms, schedule_s, busy_hb_p50_ms, busy_hb_p99_ms, busy_cpu_cores, stop_s,
+detect_s, detect_excess_s, detect_gone_s).
 
     PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes 64 256 1024
 """
@@ -109,6 +115,8 @@ class SimAgent:
         self.silent = False
         self.stopped = False
         self.assigned_at: dict[str, float] = {}
+        self.workers: dict[tuple, dict] = {}  # (job, generation, rank) → its report: the job "runs" here
+        self.reply_sent_at: float | None = None  # the last reply's sent_at, echoed as a real agent does
         self.last_sent: float | None = None  # wall time of the newest heartbeat sent
         self.link_writer: asyncio.StreamWriter | None = None
 
@@ -151,8 +159,9 @@ class SimAgent:
         return {"protocol": PROTOCOL_VERSION, "handle": self.handle, "phase": "ready",
                 "lifecycle": {"ok": True, "exit_code": None, "duration_s": 0.0, "tail": "", "log": None,
                               "detail": "no on_create script"},
-                "health": {"ok": True, "checked_at": now, "checks": HEALTH}, "sent_at": now, "workers": [],
-                "reply_sent_at": None, "deep_check": None, "standbys": {}, "address": "127.0.0.1", "ifname": "lo",
+                "health": {"ok": True, "checked_at": now, "checks": HEALTH}, "sent_at": now,
+                "workers": list(self.workers.values()), "reply_sent_at": self.reply_sent_at, "deep_check": None,
+                "standbys": {}, "address": "127.0.0.1", "ifname": "lo",
                 "free_ports": [40000 + self.i % 20000]}
 
     async def run(self) -> None:
@@ -170,9 +179,31 @@ class SimAgent:
                 if status != 200 or reply.get("action") == "terminate":
                     self.stopped = True
                     break
-                for a in reply.get("workers", []):
-                    self.assigned_at.setdefault(a["job"], time.time())
+                self.apply(reply)
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - start)))
+
+
+    def apply(self, reply: dict) -> None:
+        """As an agent's supervisor, without processes: a rank assigned is reported running from the next heartbeat
+        on; a rank no longer assigned is reported exited (stopped) once, then forgotten."""
+        now = time.time()
+        self.reply_sent_at = reply.get("sent_at")
+        for key in [k for k, w in self.workers.items() if w["state"] == "exited"]:
+            del self.workers[key]  # (its exit was in the heartbeat this reply answers)
+        wanted = set()
+        for a in reply.get("workers", []):
+            self.assigned_at.setdefault(a["job"], now)
+            for r in a.get("ranks", []):
+                key = (a["job"], a["generation"], r["rank"])
+                wanted.add(key)
+                self.workers.setdefault(key, {
+                    "job": a["job"], "generation": a["generation"], "rank": r["rank"], "local_rank": r["local_rank"],
+                    "pid": 100000 + 8 * self.i + r["local_rank"], "state": "running", "exit_code": None,
+                    "detail": None, "hang": None, "stopped": False, "started_at": now, "ended_at": None})
+        for key, w in self.workers.items():
+            if key not in wanted and w["state"] == "running":
+                w.update(state="exited", exit_code=-15, detail="stopped by the agent (SIGTERM)", stopped=True,
+                         ended_at=now)
 
 
 class Bench:
@@ -188,6 +219,25 @@ class Bench:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def publish_progress(addr: str, token: str, job: str, generation: int, ranks: int) -> None:
+    """Each rank's step, liveness beat and step time in the controller's rendezvous store, as a training job's
+    workers keep them (the controller reads them for every rank and relays them in heartbeat replies)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phalanx import protocol
+
+    host, port = addr.rsplit(":", 1)
+    store = protocol.namespaced(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60)), token)
+    keys, values = [], []
+    for rank in range(ranks):
+        keys += [protocol.progress_key(job, generation, rank), protocol.alive_key(job, generation, rank),
+                 protocol.step_time_key(job, generation, rank)]
+        values += ["1", "1", "1 0.1"]
+    store.multi_set(keys, values)
 
 
 def http_get(url: str, token: str) -> tuple[float, bytes]:
@@ -278,9 +328,42 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     while not all(job in a.assigned_at for a in agents) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     schedule = max(a.assigned_at.get(job, float("inf")) for a in agents) - submitted
-    cancel = urllib.request.Request(f"{url}/v1/jobs/{job}/cancel", method="POST", data=b"{}",
-                                    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    await loop.run_in_executor(None, lambda: urllib.request.urlopen(cancel, timeout=60).read())
+
+    def describe() -> dict:
+        req = urllib.request.Request(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {token}"})
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+    # the job runs on every node (each agent reports its worker, each rank's progress is in the store): the same
+    # window, busy
+    gen = (await loop.run_in_executor(None, describe))["generations"][-1]
+    await loop.run_in_executor(None, publish_progress, gen["store_addr"], token, job, gen["generation"], n)
+    await asyncio.sleep(2 * interval)
+    bench.latencies.clear()
+    bench.recording = True
+    busy_cpu0, busy_t0 = cpu_seconds(pid), time.monotonic()
+    await asyncio.sleep(window)
+    busy_cpu = (cpu_seconds(pid) - busy_cpu0) / (time.monotonic() - busy_t0)
+    bench.recording = False
+    busy = sorted(bench.latencies)
+
+    def stopped() -> bool:
+        """The job's generation ended: every worker confirmed stopped by its agent."""
+        req = urllib.request.Request(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {token}"})
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())["generations"][-1]["ended_at"] is not None
+
+    busy_job = await loop.run_in_executor(None, describe)
+    busy_job_state = busy_job["state"]  # running, unless the controller judged a node faulty (late heartbeats)
+    if busy_job_state != "running":
+        print(f"N={n}: the job is {busy_job_state} after the busy window: {busy_job.get('reason')}", flush=True)
+    stop = None
+    if busy_job_state in ("running", "recovering"):
+        cancel = urllib.request.Request(f"{url}/v1/jobs/{job}/cancel", method="POST", data=b"{}", headers={
+            "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        cancelled_at = time.monotonic()
+        await loop.run_in_executor(None, lambda: urllib.request.urlopen(cancel, timeout=60).read())
+        while not await loop.run_in_executor(None, stopped) and time.monotonic() - cancelled_at < 300:
+            await asyncio.sleep(0.05)
+        stop = time.monotonic() - cancelled_at
     await asyncio.sleep(3 * interval)
 
     victim = agents[n // 2]
@@ -321,6 +404,10 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
            "hb_rate_ratio": round(rate, 3), "cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
            "agents_cpu_cores": round((own1 - own0) / (t1 - t0), 3),
            "scrape_ms": round(1000 * statistics.median(scrapes), 2), "schedule_s": round(schedule, 3),
+           "busy_hb_p50_ms": round(1000 * busy[len(busy) // 2], 2) if busy else None,
+           "busy_hb_p99_ms": round(1000 * busy[int(0.99 * (len(busy) - 1))], 2) if busy else None,
+           "busy_cpu_cores": round(busy_cpu, 3), "busy_job_state": busy_job_state,
+           "stop_s": round(stop, 3) if stop is not None else None,
            "detect_s": round(detect, 3) if detect is not None else None,
            "detect_excess_s": round(detect - timeout, 3) if detect is not None else None,
            "detect_gone_s": round(detect_gone, 3) if detect_gone is not None else None,
@@ -355,17 +442,20 @@ def main() -> None:
                 for name in list_clusters():
                     delete_cluster(name, timeout_s=30)
     print(f"{'N':>6} {'ready s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} {'rate':>6} {'cpu':>6} {'agents':>6} "
-          f"{'scrape ms':>10} {'schedule s':>11} {'detect s':>9} {'gone s':>7}")
+          f"{'scrape ms':>10} {'schedule s':>11} {'busy p50':>9} {'busy p99':>9} {'busy cpu':>8} {'stop s':>7} "
+          f"{'detect s':>9} {'gone s':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['nodes']:>6} failed: {r['error']}")
             continue
         print(f"{r['nodes']:>6} {r['ready_s']:>8} {r['hb_p50_ms']:>10} {r['hb_p99_ms']:>10} {r['hb_rate_ratio']:>6} "
               f"{r['cpu_cores']:>6} {r['agents_cpu_cores']:>6} {r['scrape_ms']:>10} {r['schedule_s']:>11} "
+              f"{r['busy_hb_p50_ms']!s:>9} {r['busy_hb_p99_ms']!s:>9} {r['busy_cpu_cores']:>8} {r['stop_s']!s:>7} "
               f"{r['detect_s']!s:>9} {r['detect_gone_s']!s:>7}")
     summary = {f"{k}_{r['nodes']}": r[k] for r in rows if "error" not in r for k in (
         "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "agents_cpu_cores", "scrape_ms",
-        "schedule_s", "detect_s", "detect_excess_s", "detect_gone_s")}
+        "schedule_s", "busy_hb_p50_ms", "busy_hb_p99_ms", "busy_cpu_cores", "stop_s", "detect_s", "detect_excess_s",
+        "detect_gone_s")}
     write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,
                              "command": "PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes "
                                         + " ".join(map(str, args.nodes)) + (

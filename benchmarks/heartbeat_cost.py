@@ -3,13 +3,15 @@
 The heartbeat's own handling — `server/heartbeat.answer_heartbeat`: record the node's report, ingest its workers,
 build its reply (assignments, progress relay, hurry, standbys) — over the controller's real policy objects and a
 real SQLite state (`tests/fakes.FakeCluster`: `Store`, `JobScheduler`, `Reconciler` wired as the daemon wires
-them, a fake backend and clock; no HTTP). For each H in `--history`, a fresh cluster of `--nodes` nodes gets H
-past jobs (each submitted, run on every node — one worker row per rank — and cancelled, through `JobRecords`),
-then one command job running on every node; then every node heartbeats `--rounds` times and the median time of
-one heartbeat is kept, and the median of `--rounds` reconciler ticks (the controller's periodic decisions).
+them, a fake backend and clock; no HTTP; past 64 nodes, the local backend's limit, the spec says `backend: hosts`).
+For each H in `--history`, a fresh cluster of `--nodes` nodes gets H past jobs (each submitted, run on every node —
+one worker row per rank — and cancelled, through `JobRecords`), then one command job running on every node; then
+every node heartbeats `--rounds` times and the median time of one heartbeat is kept, and the median of `--rounds`
+reconciler ticks (the controller's periodic decisions).
 
 With `--baseline-tree DIR` (a checkout of another commit: `git worktree add /tmp/base <commit>`) each
-measurement runs in a child process per tree, the two trees alternating `--repeats` times; the summary gives
+measurement runs in a child process per tree (that tree's `src`, this tree's `tests/fakes.py`), the two trees
+alternating `--repeats` times; the summary gives
 both and their ratio. Writes benchmarks/results/heartbeat_cost.json (summary: us_per_heartbeat_h<H> and, with a
 baseline, baseline_us_per_heartbeat_h<H> and ratio_h<H>; the same for ticks: us_per_tick_h<H>, tick_ratio_h<H>).
 
@@ -35,13 +37,14 @@ RESULTS = HERE / "results" / "heartbeat_cost.json"
 def measure(tree: Path, nodes: int, history: int, rounds: int) -> tuple[float, float]:
     """Median microseconds of one heartbeat's handling and of one reconciler tick (in this process, with `tree`'s
     code)."""
-    sys.path[:0] = [str(tree / "src"), str(tree / "tests")]
+    sys.path[:0] = [str(tree / "src"), str(TREE / "tests")]  # the tree's policy, this tree's harness (fakes.py)
     from fakes import FakeCluster
     from phalanx.control.server.heartbeat import answer_heartbeat
     from phalanx.control.state.jobs import JobState
     from phalanx.protocol.messages import Heartbeat
 
-    c = FakeCluster(Path(tempfile.mkdtemp(prefix="phalanx-hb-")), count=nodes, spares=0).create()
+    c = FakeCluster(Path(tempfile.mkdtemp(prefix="phalanx-hb-")), count=nodes, spares=0,
+                    backend="local" if nodes <= 64 else "hosts").create()  # (the local backend runs at most 64)
     records, names = c.jobs.records, sorted(c.agents)
     for _ in range(history):
         past = records.add_job(name=None, kind="command", group="workers", nodes=nodes, workers_per_node=1,

@@ -84,6 +84,9 @@ class FakeStore:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
 
 # ---- the backend ----------------------------------------------------------------------------------------------
 class FakeBackend:
@@ -445,13 +448,14 @@ class FakeCluster:
 
     def __init__(self, root: Path, *, count: int = 2, spares: int = 1, node_recovery: str = "automatic",
                  warm_standby: bool = False, instance_type: str = "local.cpu-1", health: dict | None = None,
-                 name: str = "c1"):
+                 name: str = "c1", backend: str = "local"):
+        """`backend`: the spec's (its policy settings and limits; the backend itself is always `FakeBackend`)."""
         self.clock = FakeClock()
         self.paths = ClusterPaths(Path(root) / name)
         self.paths.root.mkdir(parents=True, mode=0o700)
         group = {"name": "workers", "instance_type": instance_type, "count": count, "spares": spares,
                  "warm_standby": warm_standby}
-        self.spec = spec_from_dict({"name": name, "backend": "local", "node_recovery": node_recovery,
+        self.spec = spec_from_dict({"name": name, "backend": backend, "node_recovery": node_recovery,
                                     "instance_groups": [group], "health": health or {}})
         self.paths.write_token()
         self.store = Store(self.paths.db, clock=self.clock, owner=True)  # as the controller opens it
@@ -475,7 +479,8 @@ class FakeCluster:
         self.started_at = self.clock()
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: "controller.fake:29400",
-            read_progress=lambda job, gen, ranks: protocol.read_progress(self.rendezvous, job, gen, ranks),
+            read_progress=lambda job, gen, ranks, **how: protocol.read_progress(self.rendezvous, job, gen, ranks,
+                                                                                 **how),
             controller_id=self.started_at, rendezvous=self.rendezvous, clock=self.clock)
         self.jobs.token = self.paths.read_token()
         self.deep = DeepCheckCoordinator(self.spec, self.backend)

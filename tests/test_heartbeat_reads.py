@@ -37,9 +37,10 @@ def test_a_steady_heartbeat_scans_no_growing_table_reads_no_job_and_writes_nothi
     c.store._db.set_trace_callback(statements.append)
     for agent in list(c.agents.values()):
         c.heartbeat(agent)
+    c.store.execute("SELECT 1")  # the trace works (the steady heartbeats themselves may read nothing at all)
     c.store._db.set_trace_callback(None)
 
-    assert statements, "the heartbeats read nothing at all?"
+    assert statements.pop() == "SELECT 1", statements
     assert not [s for s in statements if " jobs" in s.lower()], statements  # the jobs holding nodes: in memory
     writes = [s for s in statements if s.split()[0].upper() in ("UPDATE", "INSERT", "DELETE", "BEGIN")]
     assert not writes, writes  # observations batched (Store.observe_node), nothing else changed
@@ -84,4 +85,102 @@ def test_every_reader_of_the_controllers_store_sees_a_job_write_at_once(tmp_path
     assert other.generation(job.id, 1) == c.jobs.records.generation(job.id, 1) is not None
     c.jobs.records.update_generation(job.id, 1, last_step=7)
     assert other.generation(job.id, 1).last_step == 7
+    c.close()
+
+
+def test_a_running_jobs_heartbeat_reads_no_worker_row_while_its_workers_and_steps_go_on(tmp_path):
+    """The controller keeps what a heartbeat compares in memory: the worker reports its node sent last (unchanged:
+    nothing to compare) and the running generation's rows (its ranks' steps written through). Before, every
+    heartbeat of a running job read its node's rows twice (benchmarks/heartbeat_cost.py at 1,024 nodes)."""
+    c = FakeCluster(tmp_path, count=2, spares=0).create()
+    job = c.submit(nodes=2)
+    c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
+    c.steps(3)
+    for step in (4, 5):
+        for rank in (0, 1):
+            c.report_step(job.id, 1, rank, step)
+        statements: list[str] = []
+        c.store._db.set_trace_callback(statements.append)
+        for agent in list(c.agents.values()):
+            c.heartbeat(agent)
+        c.store._db.set_trace_callback(None)
+        assert not [s for s in statements if "from workers" in s.lower()], statements
+        assert [w.step for w in c.jobs.records._select_workers(job=job.id, generation=1)] == [step, step]
+    c.close()
+
+
+def test_the_generation_rows_the_controller_keeps_are_sqlites_after_every_write(tmp_path):
+    """Written through, never stale: through a launch, steps, a killed worker (restart mode: stopped, relaunched)
+    and a killed node of a checkpointless job (its worker lost, the survivor carried), the rows kept for each
+    generation equal SQLite's after every tick."""
+    from phalanx import protocol
+
+    c = FakeCluster(tmp_path, count=4, spares=1).create()
+    records = c.jobs.records
+
+    def same() -> bool:
+        for job_id, gen in list(c.store.generation_rows):
+            assert records.workers(job=job_id, generation=gen) == records._select_workers(job=job_id, generation=gen)
+        return True
+
+    def run_until(predicate, what):
+        c.run_until(lambda: same() and predicate(), what)
+
+    job = c.submit(nodes=2, max_retries=1)  # (a killed worker on a healthy node is the application's failure)
+    run_until(lambda: len(records.workers(job=job.id, generation=1)) == 2, "generation 1's workers reported")
+    for rank in (0, 1):
+        c.report_step(job.id, 1, rank, 3)
+    run_until(lambda: {w.step for w in records.workers(job=job.id, generation=1)} == {3}, "the steps written")
+    c.inject_fault("workers-1", "kill-worker")
+    run_until(lambda: len(records.workers(job=job.id, generation=2)) == 2, "generation 2 running")
+    assert {w.state for w in records.workers(job=job.id, generation=1)} == {"exited"}
+    assert c.store.generation_rows, "no generation's rows were kept: nothing was checked"
+
+    second = c.submit(nodes=2, recovery=protocol.CHECKPOINTLESS)
+    run_until(lambda: len(records.workers(job=second.id, generation=1)) == 2, "the checkpointless job running")
+    victim = records.generation(second.id, 1).nodes[1]
+    c.inject_fault(victim, "kill-node")
+    run_until(lambda: len(records.workers(job=second.id, generation=2)) == 2, "its generation 2 running")
+    assert {w.state for w in records.workers(job=second.id, generation=1)} == {"carried", "lost"}
+    c.close()
+
+
+def test_a_heartbeat_relays_the_progress_a_tick_read_for_every_rank_until_it_is_older_than_progress_fresh_s(tmp_path):
+    """A tick reads every rank's progress of a running generation at once (two round trips to the store) and keeps
+    it; a heartbeat within PROGRESS_FRESH_S relays that without a read of its own, later it reads its ranks'."""
+    from phalanx import protocol
+    from phalanx.control.policy.assignments import PROGRESS_FRESH_S
+
+    c = FakeCluster(tmp_path, count=2, spares=0).create()
+    job = c.submit(nodes=2)
+    c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
+    c.steps(2)
+    reads: list[list[str]] = []
+    check = c.rendezvous.check
+    c.rendezvous.check = lambda keys: reads.append(list(keys)) or check(keys)
+
+    def relayed(name: str) -> dict[str, int | None]:
+        (a,) = [a for a in c.heartbeat(c.agents[name])["workers"] if a["job"] == job.id]
+        return {rank: p["step"] for rank, p in a["progress"].items()}
+
+    c.report_step(job.id, 1, 0, 3)  # rank 0 only: the tick reads nothing, each heartbeat its own ranks
+    c.reconciler.tick()
+    assert len(reads) == 1 and len(reads[0]) == 4, reads  # one check of both ranks' keys, not one per key
+    reads.clear()
+    assert relayed("workers-0") == {"0": 3} and reads, "no rank's progress kept: the heartbeat reads its own"
+    reads.clear()
+    for rank in (0, 1):
+        c.report_step(job.id, 1, rank, 4)
+        c.rendezvous.add(protocol.alive_key(job.id, 1, rank), 1)  # (its liveness beat, as a worker's thread adds)
+        c.rendezvous.set(protocol.step_time_key(job.id, 1, rank), "4 0.5")
+    c.reconciler.tick()
+    assert [len(keys) for keys in reads] == [4, 2], reads  # every rank's keys: one check for progress, one for times
+    reads.clear()
+    assert relayed("workers-0") == {"0": 4} and relayed("workers-1") == {"1": 4}
+    assert reads == [], "a heartbeat read the store though a tick had just read every rank"
+    for rank in (0, 1):
+        c.report_step(job.id, 1, rank, 5)
+    assert relayed("workers-0") == {"0": 4}, "the kept progress is relayed while it is fresh"
+    c.clock.advance(PROGRESS_FRESH_S + 0.01)
+    assert relayed("workers-0") == {"0": 5} and reads, "an older read is not relayed: the heartbeat reads its ranks"
     c.close()

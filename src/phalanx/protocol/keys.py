@@ -94,24 +94,43 @@ def publish_generation(store, job_id: str, generation: int, nodes: list[str], wo
     store.set(generation_key(job_id), str(generation))
 
 
-def read_progress(store, job_id: str, generation: int, ranks: list[int]) -> dict[int, dict]:
+def _read(store, keys: list[str], all_or_none: bool) -> list[bytes | None] | None:
+    """Each key's value, None where it is not set. A running job's keys are all set: one `check` and one
+    `multi_get` then, two round trips to the store whatever the number of keys (the controller reads its nodes'
+    ranks at every heartbeat: a check and a get per key held its lock for a round trip each). Else, or a store
+    without `multi_get`, key by key — get() would block on a missing key, so each is checked first — unless
+    `all_or_none`: then None (a read of every rank of a generation must not cost a round trip per rank)."""
+    batched = hasattr(store, "multi_get")
+    if keys and batched and store.check(keys):
+        return list(store.multi_get(keys))
+    if all_or_none:
+        return None if keys else []
+    return [store.get(key) if store.check([key]) else None for key in keys]
+
+
+def read_progress(store, job_id: str, generation: int, ranks: list[int], *,
+                  all_or_none: bool = False) -> dict[int, dict] | None:
     """Controller side: rank → {"step": last reported step, "beat": liveness counter} (None before the first
-    report). `store`: a TCPStore."""
-    out: dict[int, dict] = {}
-    for rank in ranks:
-        keys = {"step": progress_key(job_id, generation, rank), "beat": alive_key(job_id, generation, rank)}
-        # get() would block on a missing key: check first
-        out[rank] = {name: int(store.get(key)) if store.check([key]) else None for name, key in keys.items()}
-    return out
+    report). `store`: a TCPStore. `all_or_none`: None unless every rank reported both (see `_read`)."""
+    keys = [key for rank in ranks for key in (progress_key(job_id, generation, rank), alive_key(job_id, generation,
+                                                                                                 rank))]
+    raw = _read(store, keys, all_or_none)
+    if raw is None:
+        return None
+    values = [int(v) if v is not None else None for v in raw]
+    return {rank: {"step": values[2 * i], "beat": values[2 * i + 1]} for i, rank in enumerate(ranks)}
 
 
-def read_step_times(store, job_id: str, generation: int, ranks: list[int]) -> dict[int, tuple[int, float]]:
-    """Controller side: rank → (step, compute seconds of that step), for the ranks that reported one."""
+def read_step_times(store, job_id: str, generation: int, ranks: list[int], *,
+                    all_or_none: bool = False) -> dict[int, tuple[int, float]] | None:
+    """Controller side: rank → (step, compute seconds of that step), for the ranks that reported one.
+    `all_or_none`: None unless every rank reported one (see `_read`)."""
+    values = _read(store, [step_time_key(job_id, generation, rank) for rank in ranks], all_or_none)
+    if values is None:
+        return None
     out: dict[int, tuple[int, float]] = {}
-    for rank in ranks:
-        key = step_time_key(job_id, generation, rank)
-        if store.check([key]):  # get() would block on a missing key
-            raw = store.get(key)
+    for rank, raw in zip(ranks, values):
+        if raw is not None:
             step, seconds = (raw.decode() if isinstance(raw, bytes) else str(raw)).split()
             out[rank] = (int(step), float(seconds))
     return out

@@ -23,6 +23,7 @@ J, S = JobState, NodeState
 FAST_POLL_S = 0.05  # a hurried agent's heartbeat period (next_heartbeat_s)...
 FAST_POLL_PER_S = 1000.0  # ...stretched so a generation's nodes send at most this many heartbeats a second
 HURRY_S = 10.0  # hurry at most this long after a generation ended or started
+PROGRESS_FRESH_S = 0.3  # a heartbeat relays its ranks' progress as a tick read it for every rank, if this recent
 
 
 class Assignments:
@@ -33,6 +34,8 @@ class Assignments:
         changed = False
         with self.lock:
             self.records.set_node_ack(node.name, acked_at)
+            if self.records.unchanged_reports(node.name, reports):
+                return False
             known = {(w.job, w.generation, w.rank): w
                      for w in self.records.reported_workers(node.name, {r.job for r in reports})}
             seen = set()
@@ -63,6 +66,7 @@ class Assignments:
                 if key not in seen and old.live:
                     changed = True
                     self.records.update_worker(*key, state="lost", detail="no longer reported by its agent")
+            self.records.ingested(node.name, reports)
         return changed
 
     def assignments(self, node: Node) -> tuple[float, list[Assignment], int]:
@@ -125,8 +129,9 @@ class Assignments:
                     hurry = (mine or (node.is_spare and node.group == job.group_name)) and \
                         now - (gen.ended_at or gen.stop_at or now) < HURRY_S
                 else:  # running: until this node reports the generation's workers
-                    hurry = mine and now - gen.started_at < HURRY_S and not self.records.workers(
-                        job=job.id, generation=gen.generation, node=node.name)
+                    hurry = mine and now - gen.started_at < HURRY_S and not self.records.any_reported(
+                        job.id, gen.generation, protocol.rank_of(gen.nodes, node.name, 0, job.workers_per_node),
+                        job.workers_per_node)
                 if hurry:
                     return max(FAST_POLL_S, len(gen.nodes) / FAST_POLL_PER_S)
         return None
@@ -145,28 +150,41 @@ class Assignments:
         env.update(job.env)
         return env
 
-    def _progress(self, job: Job, gen: Generation, ranks: list[int]) -> tuple[dict[int, dict], bool]:
-        """Each rank's {"step", "beat"}, and whether they can be relied on (False: agents' hang checks off)."""
+    def _progress(self, job: Job, gen: Generation, ranks: list[int], *, keep: bool = False,
+                  batched_only: bool = False) -> tuple[dict[int, dict], bool]:
+        """Each rank's {"step", "beat"}, and whether they can be relied on (False: agents' hang checks off).
+
+        `keep`: a tick reads every rank of the generation at once (`_check_running`) and keeps what it read; a
+        heartbeat within PROGRESS_FRESH_S relays that instead of reading the store itself (its round trips to the
+        store, under the scheduler's lock, were most of a running job's heartbeat at a thousand nodes).
+        `batched_only`: two round trips or nothing (`protocol.read_progress`'s all_or_none): before every rank has
+        reported, a tick reads none and the heartbeats read their own ranks, as they did."""
         if self.read_progress is None:
             return {}, False
+        kept = self._progress_kept.get(job.id)
+        if not keep and kept is not None and kept[0] == gen.generation and \
+                self.clock() - kept[1] < PROGRESS_FRESH_S and all(r in kept[2] for r in ranks):
+            if not kept[3]:  # (the tick could not read every rank's step time: the straggler input, read here)
+                self._note_step_times(job, gen, ranks)
+            return {r: kept[2][r] for r in ranks}, True
         if gen.store_addr != self.store_addr():
             self._say(f"store:{job.id}:{gen.generation}", f"job {job.id}: the rendezvous store moved from "
                       f"{gen.store_addr} to {self.store_addr()} (controller restart, old port taken); hang detection "
                       f"is off for generation {gen.generation}, next: back on from the next generation")
             return {}, False
         try:
-            progress = self.read_progress(job.id, gen.generation, ranks)
+            progress = self.read_progress(job.id, gen.generation, ranks, all_or_none=batched_only)
         except RuntimeError as err:  # torch's store errors
             self._say(f"read:{job.id}", f"job {job.id}: cannot read progress from the rendezvous store ({err}); "
                                         f"hang detection paused, next: retrying at the next heartbeat")
             return {}, False
         self._said.pop(f"read:{job.id}", None)
-        self._note_step_times(job, gen, ranks)  # the straggler rule's input (scheduler.py)
-        mine = ranks if len(ranks) < job.world_size else None  # a heartbeat's node: its rows, not the generation's
-        for w in self.records.workers(job=job.id, generation=gen.generation, ranks=mine):
-            step = (progress.get(w.rank) or {}).get("step")
-            if step is not None and step != w.step:
-                self.records.update_worker(job.id, gen.generation, w.rank, step=step)
+        if progress is None:  # (batched_only, and not every rank reported yet)
+            return {}, False
+        times = self._note_step_times(job, gen, ranks, all_or_none=batched_only)  # the straggler rule's input
+        self.records.record_steps(job.id, gen.generation, {r: (progress.get(r) or {}).get("step") for r in ranks})
+        if keep:
+            self._progress_kept[job.id] = (gen.generation, self.clock(), progress, times)
         return progress, True
 
     def _publish(self, job: Job, gen: Generation) -> None:

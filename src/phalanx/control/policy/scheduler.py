@@ -60,7 +60,7 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
     the fault policy are here."""
 
     def __init__(self, store: Store, backend, *, jobs_root: Path,
-                 read_progress: Callable[[str, int, list[int]], dict[int, dict]] | None,
+                 read_progress: Callable[..., dict[int, dict] | None] | None,  # protocol.read_progress's
                  store_addr: Callable[[], str | None], controller_id: float, rendezvous=None,
                  clock: Callable[[], float] = time.time):
         self.store = store
@@ -70,6 +70,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         self.records = JobRecords(store)
         self.jobs_root = jobs_root
         self.read_progress = read_progress
+        # job → (generation, read at, rank → progress, step times read too): a tick's read of every rank
+        self._progress_kept: dict[str, tuple[int, float, dict, bool]] = {}
         self.store_addr = store_addr
         self.controller_id = controller_id  # agents restart their hang clocks when this changes
         self.rendezvous = rendezvous  # the controller's TCPStore (checkpointless generations, warm standbys)
@@ -86,7 +88,10 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:
         with self.lock:
-            for job in self.records.jobs((J.RUNNING,)):
+            running = self.records.jobs((J.RUNNING,))
+            for job_id in set(self._progress_kept) - {job.id for job in running}:
+                del self._progress_kept[job_id]
+            for job in running:
                 gen = self.records.generation(job.id, job.generation)
                 if gen is not None and gen.stop_at is None:
                     self._check_running(job, gen, now, mark_faulty)
@@ -98,8 +103,10 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
     def _check_running(self, job: Job, gen: Generation, now: float, mark_faulty) -> None:
         rows = self.records.workers(job=job.id, generation=gen.generation)
         done = len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows)
-        if done:  # the last steps reached the store before each worker exited; maybe after any heartbeat read them
-            self._progress(job, gen, [w.rank for w in rows])
+        # every rank's progress, read at once and kept for the heartbeats; done: the last steps reached the store
+        # before each worker exited, maybe after any heartbeat read them
+        self._progress(job, gen, [w.rank for w in rows], keep=True, batched_only=not done)
+        if done:
             rows = self.records.workers(job=job.id, generation=gen.generation)
         self._track_progress(job, gen, rows, now)
         self._judge_stragglers(job, gen, rows, mark_faulty)
@@ -202,9 +209,13 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         self._conclude(job, self.records.generation(job.id, gen.generation), now)
 
     def _all_stopped(self, gen: Generation) -> bool:
+        live: dict[str, list] = {}  # node → its live rows (one read of the generation, not one per node)
+        for w in self.records.workers(job=gen.job, generation=gen.generation):
+            if w.live:
+                live.setdefault(w.node, []).append(w)
         for name in gen.nodes:
             node = self.store.node(name)
-            rows = [w for w in self.records.workers(job=gen.job, generation=gen.generation, node=name) if w.live]
+            rows = live.get(name, [])
             gone = node is None or node.state == S.TERMINATED or (node.handle and self.backend.gone(node))
             if gone:
                 if node is not None and node.state != S.TERMINATED:

@@ -170,7 +170,7 @@ class Controller:
         keys = protocol.namespaced(rendezvous, self.token)  # every key under the cluster's namespace
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
-            read_progress=lambda job, gen, ranks: protocol.read_progress(keys, job, gen, ranks),
+            read_progress=lambda job, gen, ranks, **how: protocol.read_progress(keys, job, gen, ranks, **how),
             controller_id=started_at, rendezvous=keys,
         )
         self.jobs.token = self.token

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import fields, replace
 
 from phalanx.control.state.job_rows import (  # noqa: F401 - the records' types, imported from here by their users
     ACTIVE, FINAL, J, JOB_ALLOWED, LIVE_WORKER, FaultKind, Generation, Job, JobState, Outcome, WorkerRecord, _enc,
     _generation, _job, _worker)
 from phalanx.control.state.store import IllegalTransition, Store
 from phalanx.observability.events import EventKind
+
+MAX_GENERATIONS_KEPT = 64  # generations whose rows the controller keeps in memory (`workers`): its open ones
+WORKER_COLUMNS = frozenset(f.name for f in fields(WorkerRecord))
 
 
 class JobRecords:
@@ -194,6 +198,36 @@ class JobRecords:
     # ---- workers ------------------------------------------------------------------------------------
     def workers(self, *, job: str | None = None, generation: int | None = None, node: str | None = None,
                 ranks: list[int] | None = None) -> list[WorkerRecord]:
+        if job is not None and generation is not None and node is None and ranks is None:
+            kept = self._kept_rows(job, generation)
+            if kept is not None:
+                return [kept[rank] for rank in sorted(kept)]  # (by rank, as SQLite returns them)
+        return self._select_workers(job=job, generation=generation, node=node, ranks=ranks)
+
+    def _kept_rows(self, job: str, generation: int) -> dict[int, WorkerRecord] | None:
+        """The owner: `generation`'s rows by rank, kept in memory and written through (`put_worker`,
+        `update_worker`) — the scheduler reads a running generation's rows every tick, and each heartbeat its
+        ranks'. Read once per generation (MAX_GENERATIONS_KEPT at most; more clears them). None: not the owner."""
+        kept = self.store.generation_rows
+        if kept is None:
+            return None
+        with self.store.lock:
+            if (job, generation) not in kept:
+                if len(kept) >= MAX_GENERATIONS_KEPT:
+                    kept.clear()
+                kept[(job, generation)] = {w.rank: w for w in self._select_workers(job=job, generation=generation)}
+            return kept[(job, generation)]
+
+    def any_reported(self, job: str, generation: int, first: int, count: int) -> bool:
+        """Whether any of ranks first … first+count-1 of the generation has a row (its agent reported it); by rank,
+        not by node: the owner answers from the generation's kept rows, at every heartbeat of a launch."""
+        kept = self._kept_rows(job, generation)
+        if kept is not None:
+            return any(rank in kept for rank in range(first, first + count))
+        return bool(self._select_workers(job=job, generation=generation, ranks=list(range(first, first + count))))
+
+    def _select_workers(self, *, job: str | None = None, generation: int | None = None, node: str | None = None,
+                        ranks: list[int] | None = None) -> list[WorkerRecord]:
         sql, args = "SELECT * FROM workers WHERE 1=1", []
         for col, val in (("job", job), ("generation", generation), ("node", node)):
             if val is not None:
@@ -214,14 +248,56 @@ class JobRecords:
             args += [*sorted(jobs), node]
         return [_worker(r) for r in self.store.execute(sql, tuple(args))]
 
+    def unchanged_reports(self, node: str, reports: list) -> bool:
+        """True when `reports` are the ones `node`'s last ingested heartbeat brought (`ingested`) and no worker row
+        was written since: comparing them with the rows again would change nothing (the owner only; else False).
+        A running job's agents report the same workers every heartbeat: this spares each one a read of SQLite."""
+        memo = self.store.reports_memo
+        with self.store.lock:
+            return memo is not None and memo.get(node) == reports
+
+    def ingested(self, node: str, reports: list) -> None:
+        """`node`'s reports are now what its rows say (see `unchanged_reports`)."""
+        memo = self.store.reports_memo
+        if memo is not None:
+            with self.store.lock:
+                memo[node] = list(reports)
+
+    def record_steps(self, job: str, generation: int, steps: dict[int, int | None]) -> None:
+        """Each rank's newest step (from the rendezvous store) into its row; ranks with no row are left out."""
+        with self.store.lock:
+            kept = self._kept_rows(job, generation)
+            ranks = sorted(rank for rank, step in steps.items() if step is not None)
+            rows = ([kept[r] for r in ranks if r in kept] if kept is not None else
+                    self._select_workers(job=job, generation=generation, ranks=ranks) if ranks else [])
+            for w in rows:
+                if steps[w.rank] != w.step:
+                    self.update_worker(job, generation, w.rank, step=steps[w.rank])
+
     def put_worker(self, rec: dict) -> None:
         """Insert or replace one rank's record (keys: the `workers` columns)."""
-        self.store.execute(f"INSERT OR REPLACE INTO workers ({', '.join(rec)}) VALUES ({', '.join('?' * len(rec))})",
-                           tuple(rec.values()))
+        with self.store.lock:
+            self.store.execute(f"INSERT OR REPLACE INTO workers ({', '.join(rec)}) VALUES "
+                               f"({', '.join('?' * len(rec))})", tuple(rec.values()))
+            if self.store.reports_memo is not None:
+                self.store.reports_memo.pop(rec["node"], None)
+            kept = (self.store.generation_rows or {}).get((rec["job"], rec["generation"]))
+            if kept is not None:
+                if set(rec) == WORKER_COLUMNS:
+                    kept[rec["rank"]] = _worker(rec)
+                else:  # (a partial row: its defaults are SQLite's) read again when next asked
+                    self.store.generation_rows.pop((rec["job"], rec["generation"]))
 
     def update_worker(self, job: str, generation: int, rank: int, **values) -> None:
-        self.store.execute(f"UPDATE workers SET {', '.join(f'{k}=?' for k in values)} "
-                           "WHERE job=? AND generation=? AND rank=?", (*values.values(), job, generation, rank))
+        with self.store.lock:
+            self.store.execute(f"UPDATE workers SET {', '.join(f'{k}=?' for k in values)} "
+                               "WHERE job=? AND generation=? AND rank=?", (*values.values(), job, generation, rank))
+            if set(values) != {"step"} and self.store.reports_memo is not None:
+                self.store.reports_memo.clear()  # (a step is the scheduler's: no heartbeat's report compares it)
+            kept = (self.store.generation_rows or {}).get((job, generation))
+            if kept is not None and rank in kept:
+                kept[rank] = replace(kept[rank], **{k: bool(v) if k in ("frozen", "stopped") else v
+                                                    for k, v in values.items()})
 
     def set_node_ack(self, name: str, acked_at: float | None) -> None:
         if acked_at is not None:

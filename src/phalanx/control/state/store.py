@@ -63,6 +63,8 @@ class Store(EventRecords):
         self._flushed_at = 0.0  # (time.monotonic) the last flush_observed that wrote
         self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
         self.job_memo: dict | None = {} if owner else None  # owner: `JobRecords`' reads, until its next write
+        self.reports_memo: dict | None = {} if owner else None  # owner: node → worker reports ingested (`JobRecords`)
+        self.generation_rows: dict | None = {} if owner else None  # owner: (job, generation) → rank → WorkerRecord
         self.clock = clock  # the time it stamps rows and events with (tests drive a fake one)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
@@ -300,7 +302,9 @@ class Store(EventRecords):
                 self.update_node(name, **fields)
                 return
             self._rows[name] = replace(cached, **fields)
-            self._observed.setdefault(name, {}).update(fields)
+            # a JSON column equal to the row's is in SQLite or pending already: not encoded again at the flush
+            self._observed.setdefault(name, {}).update(
+                {k: v for k, v in fields.items() if k not in JSON_COLUMNS or v != getattr(cached, k)})
 
     def flush_observed(self, *, every_s: float = 0.0) -> int:
         """Write the observations `observe_node` kept (one transaction); not when the last flush that wrote was
