@@ -254,3 +254,18 @@ def test_a_state_db_from_before_straggler_settings_gives_its_jobs_the_defaults(t
         assert job.straggler is None and StragglerSettings.of(job.straggler) == StragglerSettings()
     finally:
         store.close()
+
+
+def test_a_ranks_peers_median_comes_from_the_sorted_times_as_statistics_median_gives_it():
+    """`median_without` (each rank judged in O(log world) against its peers) is `statistics.median` of the others,
+    bit for bit: odd and even peer counts, ties, the value at either end."""
+    import random
+    import statistics
+
+    from phalanx.control.policy.stragglers import median_without
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        values = [rng.choice([0.1, 0.25, 0.5, 1.0, rng.random()]) for _ in range(rng.randint(2, 12))]
+        for i, value in enumerate(values):
+            assert median_without(sorted(values), value) == statistics.median(values[:i] + values[i + 1:])

@@ -21,6 +21,7 @@ Pure: numbers in, verdicts out. Must not know: the store, processes, how the sec
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -72,8 +73,24 @@ class Straggler:
 
 def is_slow(seconds: float, others: list[float], factor: float) -> tuple[bool, float]:
     """(whether `seconds` is slow against `others`, the others' median)."""
-    base = median(others)
+    return _judged(seconds, median(others), factor)
+
+
+def _judged(seconds: float, base: float, factor: float) -> tuple[bool, float]:
     return seconds > factor * base and seconds - base >= MIN_EXCESS_S, base
+
+
+def median_without(ordered: list[float], value: float) -> float:
+    """`statistics.median` of `ordered` (sorted, holding `value`) with one `value` left out, without copying or
+    sorting it: a generation's every rank is judged against its peers at each step, and a sort per rank made
+    that O(world² log world) per step."""
+    at = bisect_left(ordered, value)
+    n = len(ordered) - 1  # the others
+
+    def other(i: int) -> float:
+        return ordered[i] if i < at else ordered[i + 1]
+
+    return other(n // 2) if n % 2 else (other(n // 2 - 1) + other(n // 2)) / 2
 
 
 @dataclass
@@ -86,6 +103,7 @@ class StragglerWatch:
     streak: dict[int, int] = field(default_factory=dict)
     flagged: dict[int, Straggler] = field(default_factory=dict)
     _new: list[Straggler] = field(default_factory=list)
+    _ordered: list[float] = field(default_factory=list)  # every rank's newest seconds, sorted
 
     def record(self, rank: int, step: int, seconds: float) -> None:
         """A rank's time for `step`; judged when the step is new and every rank has reported."""
@@ -93,10 +111,12 @@ class StragglerWatch:
         if old is not None and old[0] == step:
             return  # read again, not a new report
         self.newest[rank] = (step, seconds)
+        if old is not None:
+            del self._ordered[bisect_left(self._ordered, old[1])]
+        insort(self._ordered, seconds)
         if len(self.newest) < self.world_size or self.world_size < 2 or rank in self.flagged:
             return
-        others = [s for r, (_, s) in self.newest.items() if r != rank]
-        slow, base = is_slow(seconds, others, self.settings.factor)
+        slow, base = _judged(seconds, median_without(self._ordered, seconds), self.settings.factor)
         self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
         if self.streak[rank] >= self.settings.steps:
             found = Straggler(rank, step, seconds, base, self.streak[rank])
