@@ -51,10 +51,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, write_results  # noqa: E402
 
+from phalanx.control.agent.link import BEAT_CHUNK, news as link_news  # noqa: E402
 from phalanx.protocol import PROTOCOL_VERSION  # noqa: E402
+from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S, LINK_POKE  # noqa: E402
 
 RESULTS = RESULTS_DIR / "control_scale.json"
 REQUEST_TIMEOUT_S = 10.0
+CHECK_INTERVAL_S, HANG_TIMEOUT_S = 5.0, 240.0  # the spec's defaults (health.check_interval_s, hang_timeout_s)
 HEALTH = [{"name": "disk", "status": "ok", "detail": "simulated", "action": None},
           {"name": "memory", "status": "ok", "detail": "simulated", "action": None}]
 
@@ -117,8 +120,16 @@ class SimAgent:
         self.assigned_at: dict[str, float] = {}
         self.workers: dict[tuple, dict] = {}  # (job, generation, rank) → its report: the job "runs" here
         self.reply_sent_at: float | None = None  # the last reply's sent_at, echoed as a real agent does
-        self.last_sent: float | None = None  # wall time of the newest heartbeat sent
+        self.last_sent: float | None = None  # wall time of the newest heartbeat (or beat) sent
         self.link_writer: asyncio.StreamWriter | None = None
+        self.link_up = False  # its link answered: beats go up it, pokes come down it
+        self.next_s: float | None = None  # the last reply's next_heartbeat_s
+        self.full_every = max(interval, min(FULL_HEARTBEAT_MAX_S, HANG_TIMEOUT_S / 4))
+        self.poked = asyncio.Event()  # the controller has news for this node (`LINK_POKE`)
+        self.hurried = False  # the last reply asked for the next heartbeat sooner (`next_heartbeat_s`)
+        # its health check's time: news every CHECK_INTERVAL_S, as a real agent's (agents started at different moments)
+        self.checked_at = time.time() - random.random() * CHECK_INTERVAL_S
+        self.full_at, self.said = float("-inf"), None  # the last full heartbeat, and what it said (`node_agent.py`)
 
     def die(self) -> None:
         """As a killed agent process: no more heartbeats, and its kernel closes its connections (the link's too)."""
@@ -145,13 +156,19 @@ class SimAgent:
         silent agent keeps it: a frozen host closes nothing)."""
         reader, writer = await asyncio.open_connection(self.conn.host, self.conn.port)
         self.link_writer = writer
-        writer.write(f"GET /v1/nodes/{self.name}/link?handle={self.handle} HTTP/1.1\r\nHost: {self.conn.host}\r\n"
-                     f"Authorization: Bearer {self.conn.token}\r\n\r\n".encode())
+        writer.write(f"POST /v1/nodes/{self.name}/link?handle={self.handle} HTTP/1.1\r\nHost: {self.conn.host}\r\n"
+                     f"Authorization: Bearer {self.conn.token}\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
         await writer.drain()
         try:
-            while not self.stopped and await reader.read(64):
-                pass
+            while not self.stopped:
+                down = await reader.read(64)
+                if not down:
+                    break
+                self.link_up = True  # (the response's head and first beat came)
+                if LINK_POKE in down:
+                    self.poked.set()
         finally:
+            self.link_up = False
             writer.close()
 
     def body(self) -> dict:
@@ -159,8 +176,8 @@ class SimAgent:
         return {"protocol": PROTOCOL_VERSION, "handle": self.handle, "phase": "ready",
                 "lifecycle": {"ok": True, "exit_code": None, "duration_s": 0.0, "tail": "", "log": None,
                               "detail": "no on_create script"},
-                "health": {"ok": True, "checked_at": now, "checks": HEALTH}, "sent_at": now,
-                "workers": list(self.workers.values()), "reply_sent_at": self.reply_sent_at, "deep_check": None,
+                "health": {"ok": True, "checked_at": self.checked_at, "checks": HEALTH}, "sent_at": now,
+                "workers": [dict(w) for w in self.workers.values()], "reply_sent_at": self.reply_sent_at, "deep_check": None,
                 "standbys": {}, "address": "127.0.0.1", "ifname": "lo",
                 "free_ports": [40000 + self.i % 20000]}
 
@@ -170,17 +187,33 @@ class SimAgent:
             start = time.monotonic()
             if not self.silent:
                 self.last_sent = time.time()
+                if time.time() - self.checked_at >= CHECK_INTERVAL_S:
+                    self.checked_at = time.time()
+                body = self.body()
+                news = link_news(body)
+                if self.link_up and not (self.hurried or self.poked.is_set()) and news == self.said \
+                        and start - self.full_at < self.full_every:
+                    self.link_writer.write(BEAT_CHUNK)  # as `agent/link.py`'s beat: nothing new to say
+                    self.bench.beat()
+                else:
+                    self.poked.clear()
+                    try:
+                        status, reply = await self.conn.request("POST", f"/v1/nodes/{self.name}/heartbeat", body)
+                    except ConnectionAbortedError:
+                        break  # killed with a heartbeat in flight
+                    took = time.monotonic() - start
+                    self.bench.heartbeat(took)
+                    if status != 200 or reply.get("action") == "terminate":
+                        self.stopped = True
+                        break
+                    self.apply(reply)
+                    self.full_at, self.said = time.monotonic() - random.random() * self.full_every / 2, news
+            wait = (self.next_s or self.interval) - (time.monotonic() - start)
+            if wait > 0:
                 try:
-                    status, reply = await self.conn.request("POST", f"/v1/nodes/{self.name}/heartbeat", self.body())
-                except ConnectionAbortedError:
-                    break  # killed with a heartbeat in flight
-                took = time.monotonic() - start
-                self.bench.heartbeat(took)
-                if status != 200 or reply.get("action") == "terminate":
-                    self.stopped = True
-                    break
-                self.apply(reply)
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - start)))
+                    await asyncio.wait_for(self.poked.wait(), wait)  # a poke: heartbeat at once
+                except asyncio.TimeoutError:
+                    pass
 
 
     def apply(self, reply: dict) -> None:
@@ -188,6 +221,8 @@ class SimAgent:
         on; a rank no longer assigned is reported exited (stopped) once, then forgotten."""
         now = time.time()
         self.reply_sent_at = reply.get("sent_at")
+        self.next_s = reply.get("next_heartbeat_s")
+        self.hurried = self.next_s is not None
         for key in [k for k, w in self.workers.items() if w["state"] == "exited"]:
             del self.workers[key]  # (its exit was in the heartbeat this reply answers)
         wanted = set()
@@ -210,10 +245,15 @@ class Bench:
     def __init__(self):
         self.recording = False
         self.latencies: list[float] = []
+        self.beats = 0
 
     def heartbeat(self, seconds: float) -> None:
         if self.recording:
             self.latencies.append(seconds)
+
+    def beat(self) -> None:
+        if self.recording:
+            self.beats += 1
 
 
 def cpu_seconds(pid: int) -> float:
@@ -246,6 +286,14 @@ def http_get(url: str, token: str) -> tuple[float, bytes]:
     with urllib.request.urlopen(req, timeout=60) as r:
         data = r.read()
     return time.perf_counter() - start, data
+
+
+def pokes(url: str, token: str) -> float:
+    """The controller's count of pokes sent down agents' links (/metrics)."""
+    for line in http_get(f"{url}/metrics", token)[1].decode().splitlines():
+        if line.startswith("phalanx_link_pokes_total "):
+            return float(line.split()[1])
+    return 0.0
 
 
 async def measure(n: int, window: float, root: Path, interval: float | None = None) -> dict:
@@ -309,13 +357,15 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
 
     await asyncio.sleep(2 * interval)
     bench.latencies.clear()
-    bench.recording = True
+    bench.beats, bench.recording = 0, True
+    pokes0 = await loop.run_in_executor(None, pokes, url, token)
     cpu0, own0, t0 = cpu_seconds(pid), time.process_time(), time.monotonic()
     await asyncio.sleep(window)
     cpu1, own1, t1 = cpu_seconds(pid), time.process_time(), time.monotonic()
     bench.recording = False
-    lat = sorted(bench.latencies)
-    rate = len(lat) / (t1 - t0) / (n / interval)
+    idle_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
+    lat, beats = sorted(bench.latencies), bench.beats
+    rate = (len(lat) + beats) / (t1 - t0) / (n / interval)  # (a beat on the link stands for a heartbeat)
 
     scrapes = [(await loop.run_in_executor(None, http_get, f"{url}/metrics", token))[0] for _ in range(5)]
 
@@ -339,12 +389,14 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     await loop.run_in_executor(None, publish_progress, gen["store_addr"], token, job, gen["generation"], n)
     await asyncio.sleep(2 * interval)
     bench.latencies.clear()
-    bench.recording = True
+    bench.beats, bench.recording = 0, True
+    pokes0 = await loop.run_in_executor(None, pokes, url, token)
     busy_cpu0, busy_t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.sleep(window)
     busy_cpu = (cpu_seconds(pid) - busy_cpu0) / (time.monotonic() - busy_t0)
     bench.recording = False
-    busy = sorted(bench.latencies)
+    busy_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
+    busy, busy_beats = sorted(bench.latencies), bench.beats
 
     def stopped() -> bool:
         """The job's generation ended: every worker confirmed stopped by its agent."""
@@ -399,7 +451,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     await asyncio.gather(*links, return_exceptions=True)
     for a in agents:
         a.conn.close()
-    out = {"nodes": n, "ready_s": round(ready, 3), "heartbeats": len(lat),
+    out = {"nodes": n, "ready_s": round(ready, 3), "heartbeats": len(lat), "beats": beats,
+           "busy_heartbeats": len(busy), "busy_beats": busy_beats, "pokes": idle_pokes, "busy_pokes": busy_pokes,
            "hb_p50_ms": round(1000 * lat[len(lat) // 2], 2), "hb_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
            "hb_rate_ratio": round(rate, 3), "cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
            "agents_cpu_cores": round((own1 - own0) / (t1 - t0), 3),

@@ -13,13 +13,18 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
-from clusters import wait_for
+from clusters import home, wait_for  # noqa: F401  (home is a fixture)
+from phalanx.control.client.cluster import ClusterClient, create_cluster
 from phalanx.control.server.links import AgentLinks, LinkResponse
+from phalanx.control.state.paths import ClusterPaths
+from prometheus_client.parser import text_string_to_metric_families
+from test_jobs import write_spec
 
 AGENT = textwrap.dedent("""
     import sys, threading
@@ -33,10 +38,23 @@ AGENT = textwrap.dedent("""
 """)
 
 
+BEATING_AGENT = textwrap.dedent("""
+    import sys, threading, time
+    from phalanx.control.agent.link import Link
+    port, = sys.argv[1:]
+    link = Link("n1", "host:42", "secret", lambda: f"http://127.0.0.1:{port}", interval=0.1, stop=threading.Event(),
+                dropped=lambda: None, poked=lambda: print("poked", flush=True))
+    link.start()
+    while True:  # as the agent's loop does when a full heartbeat would say nothing new
+        link.beat()
+        time.sleep(0.1)
+""")
+
+
 def _serve(links: AgentLinks) -> tuple[uvicorn.Server, int]:
     app = FastAPI()
 
-    @app.get("/v1/nodes/{name}/link")
+    @app.post("/v1/nodes/{name}/link")
     async def link(name: str, handle: str):
         if links.stopped.is_set():
             raise HTTPException(503, "stopping")
@@ -87,3 +105,57 @@ def test_an_agent_whose_link_ends_while_it_lives_opens_another_at_once(linked):
     links._loop.call_soon_threadsafe(links.stopped.clear)  # a controller that serves again
     wait_for(lambda: ("n1", "host:42") in links._open, 5, "a new link")
     assert agent.poll() is None
+
+
+def test_beats_come_up_the_link_and_pokes_go_down_it_to_the_node_named(tmp_path):
+    links = AgentLinks()
+    server, port = _serve(links)
+    agent = subprocess.Popen([sys.executable, "-c", BEATING_AGENT, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: ("n1", "host:42") in links._open, 30, "the agent's link to open")
+        before = time.time()
+        beat = wait_for(lambda: links.take_beats().get(("n1", "host:42")), 10, "a beat up the link")
+        assert beat >= before - 0.2 and links.beats > 0
+        links.poke(("n2",))  # another node's: delivered to no link
+        links.poke(("n1",))
+        assert agent.stdout.readline().strip() == "poked"
+        assert links.pokes == 1
+        for _ in range(50):  # a burst of writes: coalesced, at most a poke or two, never one per write
+            links.poke()
+        assert agent.stdout.readline().strip() == "poked"
+        time.sleep(0.5)
+        assert 2 <= links.pokes <= 3, links.pokes
+    finally:
+        agent.kill()
+        agent.wait(timeout=10)
+        server.should_exit = True
+
+
+def agent_messages(client: ClusterClient) -> dict[str, float]:
+    req = urllib.request.Request(f"{client.url()}/metrics",
+                                 headers={"Authorization": f"Bearer {ClusterPaths.for_name('c1').read_token()}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+    return {s.labels["kind"]: s.value for s in families["phalanx_agent_messages"].samples if s.name.endswith("_total")}
+
+
+@pytest.mark.slow
+def test_steady_agents_beat_on_their_links_instead_of_full_heartbeats_and_stay_healthy(tmp_path, home):
+    """Protocol 5 on a real cluster: with nothing new to say (no job, health checked rarely), an agent beats on its
+    link every heartbeat interval and sends a full heartbeat at most every FULL_HEARTBEAT_MAX_S; the beats count
+    as heartbeats (the nodes' last_heartbeat stays fresh, nobody is judged silent). How fast news reaches an agent
+    through a poke is what the fault tests time (test_control.py: a fault injected is acted on within 3 s)."""
+    create_cluster(write_spec(tmp_path, count=2, spares=0, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0,
+                              check_interval_s=60.0), timeout_s=90)
+    client = ClusterClient("c1")
+    time.sleep(1.0)  # (the bring-up's heartbeats, each with news, are over)
+    first = agent_messages(client)
+    time.sleep(4.0)
+    then = agent_messages(client)
+    beats, full = then["beat"] - first["beat"], then["heartbeat"] - first["heartbeat"]
+    assert beats >= 20, (beats, full)  # 2 agents × 4 s / 0.2 s = 40 beats
+    assert full <= 6, (beats, full)  # every 5 s at most, per agent (40 before protocol 5)
+    now = time.time()
+    for n in client.nodes():
+        assert n["state"] == "healthy", n
+        assert now - n["last_heartbeat"] < 1.5, (n["name"], now - n["last_heartbeat"])

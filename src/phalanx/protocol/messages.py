@@ -19,10 +19,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from phalanx.protocol.version import PROTOCOL_VERSION
 
 
-# An agent's link (`GET /v1/nodes/{name}/link?handle=H`, held open while the agent lives: its end tells the
+# An agent's link (`POST /v1/nodes/{name}/link?handle=H`, held open while the agent lives: its end tells the
 # controller the agent process ended): the controller sends a byte down it this often, so nothing on the way takes
 # it for idle, and the agent gives up on a link silent for 3 beats and opens another.
 LINK_BEAT_S = 5.0
+# What travels on a link (protocol 5): down, LINK_BEAT (the keep-alive above) or LINK_POKE (the controller wrote
+# something this node's reply depends on: heartbeat now); up, the request's chunked body, LINK_BEAT each heartbeat
+# interval in which the agent sends no full heartbeat (it counts as one: `last_heartbeat`).
+LINK_BEAT, LINK_POKE = b".", b"!"
+# An agent whose link is open sends a full heartbeat only when its report changed, when poked, while its reply
+# asks for heartbeats sooner, and at least this often (a quarter of hang_timeout_s when that is shorter: the
+# progress its hang rule judges comes in the replies).
+FULL_HEARTBEAT_MAX_S = 5.0
 
 
 class _Message(BaseModel):

@@ -7,6 +7,10 @@ it, the reconciler decides). A host that dies or drops off the network closes no
 If the link ends while the agent lives (the controller restarted, a connection reset on the way), the agent
 heartbeats at once and opens it again, so the controller sees it alive within its grace (`link_grace_s`).
 
+The link also carries the steady state (protocol 5): `beat()` sends a liveness beat up it (the request's chunked
+body) in place of a full heartbeat that would say nothing new, and a poke coming down (`LINK_POKE`: the controller
+has news for this node) calls `poked`, so the agent heartbeats at once.
+
 Stdlib only, like `control/http.py`. Knows nothing about the agent but its name, handle, token and controller.
 """
 
@@ -19,18 +23,46 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
-from phalanx.protocol.messages import LINK_BEAT_S
+from phalanx.protocol.messages import LINK_BEAT, LINK_BEAT_S, LINK_POKE
 
 log = logging.getLogger("phalanx.agent")
 
 
+BEAT_CHUNK = b"%x\r\n%s\r\n" % (len(LINK_BEAT), LINK_BEAT)  # one chunk of the request's body
+
+
+def news(body: dict) -> dict:
+    """What a heartbeat's body tells the controller that the previous one may not have: not its timestamps, nor the
+    free ports it lists (the full heartbeat every `full_every` keeps those fresh enough)."""
+    return {k: v for k, v in body.items() if k not in ("sent_at", "reply_sent_at", "free_ports")}
+
+
 class Link(threading.Thread):
     def __init__(self, name: str, handle: str, token: str, url: Callable[[], str | None], *, interval: float,
-                 stop: threading.Event, dropped: Callable[[], None]):
+                 stop: threading.Event, dropped: Callable[[], None], poked: Callable[[], None] | None = None):
         super().__init__(name="link", daemon=True)
         self.path = f"/v1/nodes/{urllib.parse.quote(name)}/link?handle={urllib.parse.quote(handle)}"
         self.token, self.url, self.interval = token, url, interval
-        self.stop, self.dropped = stop, dropped
+        self.stop, self.dropped, self.poked = stop, dropped, poked or dropped
+        self._sock = None  # the open link's socket (`beat` writes to it while this thread reads)
+        self._send = threading.Lock()
+
+    @property
+    def up(self) -> bool:
+        return self._sock is not None
+
+    def beat(self) -> bool:
+        """A liveness beat up the open link. False: no link is open, or the send failed (send a full heartbeat)."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            with self._send:
+                sock.sendall(BEAT_CHUNK)
+            return True
+        except OSError as err:
+            log.debug("link beat failed: %s", err)
+            return False
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -51,16 +83,26 @@ class Link(threading.Thread):
         parts = urllib.parse.urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=3 * LINK_BEAT_S)
         try:
-            conn.request("GET", self.path, headers={"Authorization": f"Bearer {self.token}"})
+            conn.putrequest("POST", self.path)
+            conn.putheader("Authorization", f"Bearer {self.token}")
+            conn.putheader("Transfer-Encoding", "chunked")  # the beats: a body that ends with the link
+            conn.endheaders()
             resp = conn.getresponse()
             if resp.status != 200:
                 log.debug("link refused: HTTP %d %s", resp.status, resp.read(500))
                 return False
-            while not self.stop.is_set() and resp.read1(64):
-                pass
+            self._sock = conn.sock
+            while not self.stop.is_set():
+                down = resp.read1(64)
+                if not down:
+                    break
+                if LINK_POKE in down:
+                    self.poked()
             return True
         except (OSError, http.client.HTTPException) as err:  # unreachable, reset, or silent past the beat
             log.debug("link to %s ended: %s", url, err)
             return False
         finally:
-            conn.close()
+            self._sock = None
+            with self._send:  # (not closed under a beat being sent)
+                conn.close()

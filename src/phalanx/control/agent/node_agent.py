@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -36,9 +37,9 @@ from pathlib import Path
 
 from phalanx.control.agent import health
 from phalanx.protocol import NODE_HANDLE, PROTOCOL_VERSION, ProtocolMismatch, check_version
-from phalanx.protocol.messages import HeartbeatReply
+from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S, HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
-from phalanx.control.agent.link import Link
+from phalanx.control.agent.link import Link, news
 from phalanx.control.agent.slurm_allocation import SlurmAllocation, ignoring_usr2
 from phalanx.control.agent.join import TOKEN_ENV, act_on, free_ports, join
 from phalanx.control.http import ApiError, ControllerUnreachable, request_json
@@ -112,6 +113,10 @@ class Agent:
         self.next_heartbeat_s: float | None = None  # the last reply's request to come back sooner
         self.controller_id: float | None = None  # start time of the controller that sent it
         self.relay_gap = True  # progress relay may have missed something: restart the hang clocks
+        # with its link open, a full heartbeat only on news, when poked, while hurried, and at least this often
+        self.full_every = max(self.interval, min(FULL_HEARTBEAT_MAX_S, float(cfg["hang_timeout_s"]) / 4))
+        self.poke = threading.Event()  # the controller has news for this node (`link.py`)
+        self._full_at, self._said = float("-inf"), None  # the last full heartbeat answered, and what it said
 
     # ---- bring-up and health (a thread, so heartbeats never wait on a slow script) -------------------
     def bring_up(self) -> None:
@@ -225,6 +230,16 @@ class Agent:
                     **({"address": self.address, "ifname": self.ifname, "free_ports": free_ports(self.address)}
                        if self.address else {})}
 
+    def _poked(self) -> None:
+        self.poke.set()
+        self.wake.set()
+
+    def _beat_will_do(self, body: dict, hurried: bool) -> bool:
+        """Whether a beat on the link says all this heartbeat would: nothing reported changed since the last
+        full heartbeat, no poke, no hurry, no gap in the relay, and that one is recent (`full_every`)."""
+        return not (hurried or self.relay_gap or self.poke.is_set()) and news(body) == self._said \
+            and time.monotonic() < self._full_at + self.full_every
+
     def handle_reply(self, reply: dict, body: dict) -> None:
         check_version(reply.get("protocol"), "the controller")
         reply = HeartbeatReply.model_validate(reply)
@@ -265,25 +280,32 @@ class Agent:
     def run(self) -> int:
         threading.Thread(target=self.bring_up, name="bring-up", daemon=True).start()
         threading.Thread(target=self.watch_workers, name="workers", daemon=True).start()
-        Link(self.name, self.handle, self.token, self.endpoint_url, interval=self.interval, stop=self.stop,
-             dropped=self.wake.set).start()
+        link = Link(self.name, self.handle, self.token, self.endpoint_url, interval=self.interval, stop=self.stop,
+                    dropped=self.wake.set, poked=self._poked)
+        link.start()
         url, down_since = self.endpoint_url(), None
         while not self.stop.is_set():
             if not self.work_dir.is_dir():
                 self.exit_reason = f"work dir {self.work_dir} is gone (cluster deleted)"
                 break
             self.wake.clear()
-            self.next_heartbeat_s = None
+            hurried, self.next_heartbeat_s = self.next_heartbeat_s is not None, None
             try:
                 if url is None:
                     raise ControllerUnreachable(f"no endpoint file at {self.endpoint_file}")
                 body = self.heartbeat_body()
+                if self._beat_will_do(body, hurried) and link.beat():
+                    self.wake.wait(self.interval)
+                    continue
+                self.poke.clear()
                 reply = request_json("POST", f"{url}/v1/nodes/{self.name}/heartbeat", self.token, body,
                                      timeout=max(2.0, 4 * self.interval))
                 if down_since is not None:
                     log.info("controller reachable again at %s after %.1f s", url, time.monotonic() - down_since)
                     down_since = None
                 self.handle_reply(reply, body)
+                # (the next one unprompted within 1/2–1 × full_every: a poke to every agent must not leave them in step)
+                self._full_at, self._said = time.monotonic() - random.random() * self.full_every / 2, news(body)
             except ControllerUnreachable as err:
                 self.relay_gap = True
                 self.workers.relay_down()

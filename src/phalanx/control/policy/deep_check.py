@@ -36,9 +36,10 @@ class Round:
 
 
 class DeepCheckCoordinator:
-    def __init__(self, spec, backend):
+    def __init__(self, spec, backend, changed=None):
         self.spec = spec
         self.backend = backend
+        self.changed = changed  # told the nodes of a round it starts (`Store.changed`: their agents are poked)
         self.rounds: dict[str, Round] = {}
         self._ready: set[str] = set()  # candidates that passed their basic checks, seen this tick
 
@@ -93,6 +94,8 @@ class DeepCheckCoordinator:
                   master_addr=self.backend.node_host(first), master_port=self.backend.free_port(first),
                   started_at=now, env={k: v for k, v in self.backend.worker_env().items() if k == "GLOO_SOCKET_IFNAME"})
         self.rounds[r.id] = r
+        if self.changed is not None:
+            self.changed(tuple(names))
         log.info("deep health check round %s for %s across %s (MASTER_PORT %d)", r.id, ", ".join(candidates),
                  ", ".join(names), r.master_port)
 

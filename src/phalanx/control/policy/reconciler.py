@@ -58,6 +58,7 @@ class Reconciler:
         self._said: set[str] = set()  # "waiting" lines already logged (log once, not every tick)
 
     def tick(self) -> None:
+        self._fold_beats()
         self.store.flush_observed(every_s=FLUSH_S)  # the heartbeats' batched observations, into SQLite
         status = ClusterStatus(self.store.cluster()["status"])
         if status not in (ClusterStatus.CREATING, ClusterStatus.IN_SERVICE, ClusterStatus.DEGRADED):
@@ -82,6 +83,18 @@ class Reconciler:
         self.refill(creating=status == ClusterStatus.CREATING)
         for node, why in self.backend.flush():  # Slurm: one allocation for the nodes provisioned this tick
             self.fault(self.store.node(node.name) or node, f"could not start the agent: {why}", "agent-start-failed")
+
+    def _fold_beats(self) -> None:
+        """The beats agents send on their links (`server/links.py`) are heartbeats with nothing new: each agent's
+        newest goes into its node's `last_heartbeat`, where silence is judged. Not a beat of an agent the node
+        is no longer run by, nor one before the agent's first full heartbeat."""
+        if self.links is None:
+            return
+        for (name, handle), at in self.links.take_beats().items():
+            node = self.store.node(name)
+            if node is not None and node.handle == handle and node.last_heartbeat is not None \
+                    and at > node.last_heartbeat and node.state != S.TERMINATED:
+                self.store.observe_node(name, last_heartbeat=at)
 
     # ---- observe ------------------------------------------------------------------------------------
     def observe(self, node: Node, now: float) -> None:

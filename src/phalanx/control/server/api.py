@@ -41,7 +41,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from phalanx.control.server.dashboard import PUBLIC_PATHS, add_dashboard_routes
 from phalanx.control.server.heartbeat_route import HeartbeatRoute
 from phalanx.control.server.job_runs import JobRuns
-from phalanx.control.server.links import LinkResponse
 from phalanx.control.server.metrics import ClusterCollector
 from phalanx.protocol import ProtocolMismatch, check_version
 from phalanx.protocol.messages import JoinReply, JoinRequest
@@ -129,7 +128,8 @@ def build_app(ctl):
 
     registry = CollectorRegistry(auto_describe=False)
     runs = getattr(ctl, "runs", None) or JobRuns()  # one follower of each job's run files: /metrics and the dashboard
-    registry.register(ClusterCollector(store, runs, ctl.jobs.records if ctl.jobs is not None else None))
+    registry.register(ClusterCollector(store, runs, ctl.jobs.records if ctl.jobs is not None else None,
+                                       getattr(ctl, "links", None)))
 
     def node_or_404(name: str):
         node = store.node(name)
@@ -152,19 +152,6 @@ def build_app(ctl):
     @app.get("/v1/events")
     def get_events(since_id: int = 0, node: str | None = None, limit: int | None = None) -> list[dict]:
         return store.events(since_id=since_id, node=node, limit=limit)
-
-    links = getattr(ctl, "links", None)
-
-    @app.get("/v1/nodes/{name}/link")
-    async def link(name: str, handle: str) -> Response:
-        """Held open while the node's agent lives (`server/links.py`). Nothing looked up: a link counts only for
-        the agent a node's row names (`AgentLinks.lost` is asked with the node's handle), and the event loop
-        must not wait on the store's lock (a thousand agents open theirs while the cluster is created)."""
-        if links is None:
-            raise HTTPException(404, "this controller keeps no agent links")
-        if links.stopped.is_set():
-            raise HTTPException(503, "the controller is stopping")
-        return LinkResponse(links, name, handle)
 
     @app.post("/v1/join")
     def join(req: JoinRequest) -> dict:

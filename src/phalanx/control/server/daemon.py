@@ -49,6 +49,7 @@ from phalanx.control.policy.reconciler import TERMINATE_GRACE_S, Reconciler
 from phalanx.control.policy.scheduler import JobScheduler
 from phalanx.control.state.store import ClusterStatus, NodeState, open_existing
 from phalanx.observability.events import EventKind as E
+from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S
 
 TICK_S = 0.2
 MIN_TICK_GAP_S = 0.02  # pokes coalesce: at most one tick per this gap however many heartbeats bring news
@@ -98,12 +99,13 @@ class Controller:
         self.token = paths.read_token()
         self.log = log
         self.links = AgentLinks()  # each agent's open request: its end says the agent process ended
+        self.store.on_change = self.links.poke  # news for an agent: it heartbeats now, not at its next full one
         self.backend = make_backend(self.spec, paths, self.store, self.links)
         self.server: uvicorn.Server | None = None
         self.rendezvous = None  # the TCPStore, once started
         self.jobs: JobScheduler | None = None
         self.runs = JobRuns()  # what /metrics reads about each job's training (its run files, followed)
-        self.deep_checks = DeepCheckCoordinator(self.spec, self.backend)
+        self.deep_checks = DeepCheckCoordinator(self.spec, self.backend, self.store.changed)
         self.started_at: float | None = None
         self._exit = threading.Event()
         self._poked = threading.Event()  # a heartbeat brought news a decision waits on: tick now
@@ -182,7 +184,10 @@ class Controller:
         # and nothing here reads)
         self.server = ControllerServer(self.links, uvicorn.Config(
             build_app(self), log_level="warning", access_log=False, lifespan="off", proxy_headers=False,
-            server_header=False, date_header=False))
+            server_header=False, date_header=False,
+            # an agent that keeps its connection sends a full heartbeat at least every FULL_HEARTBEAT_MAX_S (5 s):
+            # uvicorn's default 5 s would close many of them just before their next request, at thousands of nodes
+            timeout_keep_alive=int(3 * FULL_HEARTBEAT_MAX_S)))
         loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)
         loop.start()
         # uvicorn restores the handler it found and re-raises the signal after a graceful shutdown; this one

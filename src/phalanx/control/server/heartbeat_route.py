@@ -1,5 +1,6 @@
-"""`POST /v1/nodes/{name}/heartbeat`, the route every agent calls every `heartbeat_interval_s`: a plain ASGI layer
-ahead of FastAPI's router (inside the token check, `api.RequireToken`).
+"""`POST /v1/nodes/{name}/heartbeat`, the route every agent calls when it has news (or every few seconds), and
+`POST /v1/nodes/{name}/link`, each agent's link held open (`links.py`): a plain ASGI layer ahead of FastAPI's
+router (inside the token check, `api.RequireToken`).
 
 FastAPI's routing, dependency resolution and body validation cost more per request than answering the heartbeat
 itself; at a thousand agents that was the controller's ceiling (benchmarks/control_scale.py). Here the body is
@@ -16,18 +17,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from pydantic import ValidationError
 
 from phalanx.control.server.heartbeat import answer_heartbeat
+from phalanx.control.server.links import LinkResponse
 from phalanx.control.state.store import NodeState
 from phalanx.protocol import ProtocolMismatch, check_version
 from phalanx.protocol.messages import Heartbeat
 
 T = TypeVar("T")
-PREFIX, SUFFIX = "/v1/nodes/", "/heartbeat"
+PREFIX, SUFFIX, LINK_SUFFIX = "/v1/nodes/", "/heartbeat", "/link"
 MAX_BODY = 4 << 20  # an agent's heartbeat is a few kB; a larger body is refused before it is read whole
 
 
@@ -58,20 +61,25 @@ async def inline_or_queued(fn: Callable[[], T], locks, queue: ThreadPoolExecutor
 
 
 class HeartbeatRoute:
-    """ASGI middleware: answers heartbeats, passes everything else to `app`. `ctl`: the running controller."""
+    """ASGI middleware: answers heartbeats and holds agents' links (`POST /v1/nodes/{name}/link?handle=H`,
+    `links.LinkResponse`), passes everything else to `app`. `ctl`: the running controller."""
 
     def __init__(self, app, ctl):
         self.app, self.ctl, self.store = app, ctl, ctl.store
         self.locks = [lock for lock in (getattr(ctl.jobs, "lock", None), ctl.store.lock) if lock is not None]
         self.queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
+        self.links = getattr(ctl, "links", None)  # (counts the heartbeats answered, for /metrics)
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(PREFIX) \
-                or not path.endswith(SUFFIX) or "/" in path[len(PREFIX):-len(SUFFIX)]:
+                or not path.endswith((SUFFIX, LINK_SUFFIX)) or path.count("/") != PREFIX.count("/") + 1:
             await self.app(scope, receive, send)
             return
         name = path[len(PREFIX):-len(SUFFIX)]
+        if path.endswith(LINK_SUFFIX):
+            await self._link(path[len(PREFIX):-len(LINK_SUFFIX)], scope, receive, send)
+            return
         try:
             hb = self._parse(await self._body(receive))
             try:
@@ -79,12 +87,29 @@ class HeartbeatRoute:
             except ProtocolMismatch as err:
                 raise Refused(409, str(err)) from None
             status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb), self.locks, self.queue)
+            if self.links is not None:
+                self.links.heartbeats += 1
         except Refused as err:
             status, reply = err.status, {"detail": err.detail}
         body = json.dumps(reply, separators=(",", ":")).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
         await send({"type": "http.response.body", "body": body})
+
+    async def _link(self, name: str, scope, receive, send) -> None:
+        """Held open while the node's agent lives (`server/links.py`). Nothing looked up: a link counts only for
+        the agent a node's row names (`AgentLinks.lost` is asked with the node's handle), and the event loop
+        must not wait on the store's lock (a thousand agents open theirs while the cluster is created)."""
+        handle = urllib.parse.parse_qs(scope.get("query_string", b"").decode()).get("handle", [None])[0]
+        if self.links is None or self.links.stopped.is_set() or not handle:
+            status, detail = ((404, "this controller keeps no agent links") if self.links is None else
+                              (503, "the controller is stopping") if handle else (422, "query: handle is required"))
+            body = json.dumps({"detail": detail}).encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await LinkResponse(self.links, name, handle)(scope, receive, send)
 
     @staticmethod
     async def _body(receive) -> bytes:

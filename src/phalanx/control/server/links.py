@@ -9,6 +9,15 @@ network closes nothing: its silence is still what finds it.
 the reconciler decides (`policy/reconciler.py`). An agent that lives through its link's end (a reset on the way)
 heartbeats at once and opens another, which `lost()` sees.
 
+The link carries the steady state both ways (protocol 5), so that a thousand agents with nothing to say cost the
+controller a few bytes each, not an HTTP request and a reply computed for nothing:
+- up (the request's chunked body): the agent's liveness beat (`LINK_BEAT`), each heartbeat interval in which it
+  sends no full heartbeat. `take_beats()` hands the newest per agent to the reconciler, which counts it as a
+  heartbeat (`last_heartbeat`): silence is judged as before.
+- down: `LINK_POKE` when the controller wrote something an agent's reply depends on (`Store.on_change` →
+  `poke`): its agent sends a full heartbeat at once, and so hears of a new generation, a stop or a directive as
+  fast as it did when every heartbeat was full. Pokes are coalesced: a burst of writes is one poke per link.
+
 Knows nothing about nodes' states or what a fault leads to.
 """
 
@@ -20,7 +29,10 @@ import time
 
 from starlette.responses import Response
 
-from phalanx.protocol.messages import LINK_BEAT_S
+from phalanx.protocol.messages import LINK_BEAT, LINK_BEAT_S, LINK_POKE
+
+
+POKES_PER_S, POKE_BATCH = 1000.0, 50  # at most as many heartbeats as hurried nodes send (`FAST_POLL_PER_S`)
 
 
 class AgentLinks:
@@ -30,6 +42,10 @@ class AgentLinks:
         self._closed: dict[tuple[str, str], float] = {}  # (node, handle) → when its last link closed
         self.stopped = asyncio.Event()  # set on the server's loop (`stop`): every link ends, none opens
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._beats: dict[tuple[str, str], float] = {}  # (node, handle) → its newest beat since `take_beats`
+        self._pokes: dict[str, set[asyncio.Event]] = {}  # (the loop's) node → its open links' poke events
+        self._poke_all, self._poke_names, self._poke_due = False, set(), False  # pokes not delivered yet
+        self.beats = self.pokes = self.heartbeats = 0  # counted for /metrics (full heartbeats: `heartbeat_route`)
 
     def stop(self) -> None:
         """End every link (the controller stops: uvicorn waits for open responses before it exits). From any thread."""
@@ -64,6 +80,53 @@ class AgentLinks:
             return None
         return now - at
 
+    def beat(self, node: str, handle: str, at: float) -> None:
+        self._beats[(node, handle)] = at  # (the loop's thread; `take_beats` swaps the dict whole)
+        self.beats += 1
+
+    def take_beats(self) -> dict[tuple[str, str], float]:
+        """The newest beat of each agent since the last call (the reconciler's tick)."""
+        beats, self._beats = self._beats, {}
+        return beats
+
+    def poke(self, names: tuple[str, ...] | None = None) -> None:
+        """Ask the agents of `names` (None: every node) to heartbeat now. From any thread, under any lock: it only
+        marks them and, once per burst, schedules the delivery on the server's loop."""
+        loop = self._loop
+        if loop is None:
+            return
+        with self._lock:
+            if not self._poke_all:
+                if names is None:
+                    self._poke_all = True
+                    self._poke_names.clear()
+                else:
+                    self._poke_names.update(names)
+            if self._poke_due:
+                return
+            self._poke_due = True
+        try:
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the server's loop has ended (the controller stops): no link is left to poke
+            with self._lock:
+                self._poke_due = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            everyone, names = self._poke_all, self._poke_names
+            self._poke_all, self._poke_names, self._poke_due = False, set(), False
+        self._send_pokes([name for name in (self._pokes if everyone else names) if name in self._pokes])
+
+    def _send_pokes(self, names: list[str]) -> None:
+        """POKE_BATCH links now, the rest paced at POKES_PER_S: a poke to every agent of a large cluster (a job
+        submitted, a generation ended) must not bring all their heartbeats at the same instant."""
+        for name in names[:POKE_BATCH]:
+            for event in self._pokes.get(name, ()):
+                event.set()
+                self.pokes += 1
+        if len(names) > POKE_BATCH:
+            self._loop.call_later(POKE_BATCH / POKES_PER_S, self._send_pokes, names[POKE_BATCH:])
+
     def forget(self, node: str) -> None:
         """The node is terminated: nothing more to ask about its agents (keeps this to the live nodes)."""
         with self._lock:
@@ -73,13 +136,25 @@ class AgentLinks:
 
 
 class LinkResponse(Response):
-    """A response that never ends by itself: a byte every LINK_BEAT_S until the agent's side closes (recorded in
-    `links`) or the controller stops (`links.stop()`). One wake-up per beat: it waits on the connection and the
-    stop together, not by polling."""
+    """A response that never ends by itself: a byte every LINK_BEAT_S (or `LINK_POKE` when poked) until the
+    agent's side closes (recorded in `links`) or the controller stops (`links.stop()`). The agent's beats, its
+    request's body, are read by a task of their own that wakes once per beat and records it; the response waits
+    on a poke, the stop and that task's end together, not by polling. Served ahead of FastAPI
+    (`heartbeat_route.py`): each wake-up of a coroutine under FastAPI's middleware stack resumes a dozen frames."""
 
     def __init__(self, links: AgentLinks, node: str, handle: str):
         super().__init__(media_type="text/plain")
         self.links, self.node, self.handle = links, node, handle
+
+    async def _read(self, receive) -> None:
+        """The agent's beats, until it disconnects."""
+        links, node, handle = self.links, self.node, self.handle
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            if LINK_BEAT in message.get("body", b""):
+                links.beat(node, handle, time.time())
 
     async def __call__(self, scope, receive, send) -> None:
         links = self.links
@@ -87,23 +162,34 @@ class LinkResponse(Response):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")]})
         links.opened(self.node, self.handle)
-        receiving = asyncio.ensure_future(receive())
+        poked = asyncio.Event()
+        links._pokes.setdefault(self.node, set()).add(poked)
+        reading = asyncio.ensure_future(self._read(receive))
         stopping = asyncio.ensure_future(links.stopped.wait())
+        poking = asyncio.ensure_future(poked.wait())
         try:
-            await send({"type": "http.response.body", "body": b".", "more_body": True})
+            await send({"type": "http.response.body", "body": LINK_BEAT, "more_body": True})
             while True:
-                done, _ = await asyncio.wait({receiving, stopping}, timeout=LINK_BEAT_S,
+                done, _ = await asyncio.wait({reading, stopping, poking}, timeout=LINK_BEAT_S,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if stopping in done:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
-                if receiving in done:
-                    if receiving.result()["type"] == "http.disconnect":
-                        return
-                    receiving = asyncio.ensure_future(receive())  # the (empty) request body: wait on
-                    continue
-                await send({"type": "http.response.body", "body": b".", "more_body": True})
+                if reading in done:
+                    return
+                if poking in done:
+                    poked.clear()
+                    poking = asyncio.ensure_future(poked.wait())
+                    await send({"type": "http.response.body", "body": LINK_POKE, "more_body": True})
+                else:
+                    await send({"type": "http.response.body", "body": LINK_BEAT, "more_body": True})
         finally:
-            receiving.cancel()
+            reading.cancel()
             stopping.cancel()
+            poking.cancel()
+            mine = links._pokes.get(self.node)
+            if mine is not None:
+                mine.discard(poked)
+                if not mine:
+                    del links._pokes[self.node]
             links.closed(self.node, self.handle, time.time())

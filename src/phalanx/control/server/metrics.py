@@ -44,14 +44,24 @@ def _add(family: HistogramMetricFamily, values: list[str], h: Histogram) -> None
 class ClusterCollector:
     """`collect()` is called once per scrape (prometheus_client's custom-collector protocol)."""
 
-    def __init__(self, store: Store, runs: JobRuns, records: JobRecords | None = None):
+    def __init__(self, store: Store, runs: JobRuns, records: JobRecords | None = None, links=None):
         self.store = store
         self.runs = runs
         self.records = records or JobRecords(store)
+        self.links = links  # the agents' links (`links.AgentLinks`): what the agents sent, and the pokes
 
     def collect(self):
         yield from self.nodes()
         yield from self.jobs()
+        if self.links is not None:
+            sent = CounterMetricFamily("phalanx_agent_messages", "Agents' messages to the controller since it started: "
+                                       "full heartbeats, and beats on their links (a heartbeat with nothing new)",
+                                       labels=["kind"])
+            sent.add_metric(["heartbeat"], self.links.heartbeats)
+            sent.add_metric(["beat"], self.links.beats)
+            yield sent
+            yield CounterMetricFamily("phalanx_link_pokes", "Pokes sent down agents' links (news for the node: "
+                                      "heartbeat now)", value=self.links.pokes)
 
     # ---- nodes -----------------------------------------------------------------------------------------
     def nodes(self):

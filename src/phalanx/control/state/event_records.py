@@ -39,7 +39,12 @@ class EventRecords:
         `fields`: its structured rest (the run's events.jsonl keeps them, the table its reason)."""
         states = {k: v for k, v in (("from_state", from_state), ("to_state", to_state)) if v is not None}
         with self._lock:
-            return self.log.emit(kind, reason, node=node, job=job, **states, **fields)
+            event = self.log.emit(kind, reason, node=node, job=job, **states, **fields)
+        self.changed((node,) if node and not job else None)  # (a decision was made: its agents may be concerned)
+        return event
+
+    def changed(self, nodes: tuple[str, ...] | None = None) -> None:
+        """(`Store.changed`)"""
 
     def run_dir(self, job: str) -> Path | None:
         """Where a job's events.jsonl goes: its checkpoint_dir (against its cwd when relative); None: no such job."""

@@ -33,6 +33,7 @@ from phalanx.observability.events import EventKind
 
 MAX_GENERATIONS_KEPT = 64  # generations whose rows the controller keeps in memory (`workers`): its open ones
 WORKER_COLUMNS = frozenset(f.name for f in fields(WorkerRecord))
+STEP_COLUMNS = frozenset({"last_step", "updated_at"})  # a write of only these is no news to an agent
 
 
 class JobRecords:
@@ -60,18 +61,21 @@ class JobRecords:
             return self._memo[key]
 
     @contextmanager
-    def _writing(self):
+    def _writing(self, values: dict | None = None):
         """Around a write of a job or generation: the memo is emptied before and after it (committed or rolled
-        back), under the store's lock, so no read can keep what the write changes."""
+        back), under the store's lock, so no read can keep what the write changes. Then the agents are told
+        (`Store.changed`), unless the write only counted steps (`values`: the columns written, when known)."""
         if self._memo is None:
             yield
-            return
-        with self.store.lock:
-            self._memo.clear()
-            try:
-                yield
-            finally:
+        else:
+            with self.store.lock:
                 self._memo.clear()
+                try:
+                    yield
+                finally:
+                    self._memo.clear()
+        if values is None or set(values) - STEP_COLUMNS:
+            self.store.changed()
 
     # ---- jobs ---------------------------------------------------------------------------------------
     def add_job(self, *, name: str | None, kind: str, group: str, nodes: int, workers_per_node: int, argv: list,
@@ -142,7 +146,7 @@ class JobRecords:
         assert "state" not in values, "use transition() to change a job's state"
         values["updated_at"] = self.store.clock()
         enc = _enc(values)
-        with self._writing():
+        with self._writing(values):
             self.store.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in enc)} WHERE id=?",
                                (*enc.values(), job_id))
 
@@ -191,7 +195,7 @@ class JobRecords:
 
     def update_generation(self, job_id: str, generation: int, **values) -> None:
         enc = _enc(values)
-        with self._writing():
+        with self._writing(values):
             self.store.execute(f"UPDATE generations SET {', '.join(f'{k}=?' for k in enc)} WHERE job=? AND "
                                "generation=?", (*enc.values(), job_id, generation))
 

@@ -66,6 +66,8 @@ class Store(EventRecords):
         self.reports_memo: dict | None = {} if owner else None  # owner: node → worker reports ingested (`JobRecords`)
         self.generation_rows: dict | None = {} if owner else None  # owner: (job, generation) → rank → WorkerRecord
         self.clock = clock  # the time it stamps rows and events with (tests drive a fake one)
+        # told of a write an agent's heartbeat reply depends on (`changed`): the controller pokes the agents' links
+        self.on_change: Callable[[tuple[str, ...] | None], None] | None = None
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
         self._db.row_factory = sqlite3.Row
@@ -145,11 +147,18 @@ class Store(EventRecords):
                 self._cluster_row = row if self._owner else None
             return dict(row)
 
+    def changed(self, nodes: tuple[str, ...] | None = None) -> None:
+        """Something the heartbeat replies of `nodes` (None: every node) depend on was written: a node's state or
+        directives, a job's or generation's row, the cluster's status, an event. Tells `on_change`."""
+        if self.on_change is not None:
+            self.on_change(nodes)
+
     def update_cluster(self, **fields) -> None:
         cols = ", ".join(f"{k}=?" for k in fields)
         with self._lock:
             self._cluster_row = None
             self._exec(f"UPDATE cluster SET {cols}", tuple(fields.values()))
+        self.changed()
 
     def set_status(self, status: ClusterStatus, reason: str) -> None:
         old = self.cluster()["status"]
@@ -288,6 +297,8 @@ class Store(EventRecords):
                 self._rows[name] = replace(cached, **{k: bool(v) if k == "is_spare" else v for k, v in fields.items()})
             else:
                 self._written(name)
+        if set(fields) - OBSERVED - {"handle"}:  # (what a heartbeat reports is no news to its agent)
+            self.changed((name,))
 
     def observe_node(self, name: str, **fields) -> None:
         """A heartbeat's observations (`OBSERVED` columns): in the owner's view at once, in SQLite at the next
@@ -365,6 +376,7 @@ class Store(EventRecords):
                 self._db.execute("ROLLBACK")
                 raise
             self._written(name)
+        self.changed((name,))
         return self.node(name)
 
 
