@@ -47,10 +47,6 @@ class Link(threading.Thread):
         self._sock = None  # the open link's socket (`beat` writes to it while this thread reads)
         self._send = threading.Lock()
 
-    @property
-    def up(self) -> bool:
-        return self._sock is not None
-
     def beat(self) -> bool:
         """A liveness beat up the open link. False: no link is open, or the send failed (send a full heartbeat)."""
         sock = self._sock

@@ -60,6 +60,13 @@ async def inline_or_queued(fn: Callable[[], T], locks, queue: ThreadPoolExecutor
     return await asyncio.get_running_loop().run_in_executor(queue, fn)
 
 
+async def _send_json(send, status: int, reply) -> None:
+    body = json.dumps(reply, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class HeartbeatRoute:
     """ASGI middleware: answers heartbeats and holds agents' links (`POST /v1/nodes/{name}/link?handle=H`,
     `links.LinkResponse`), passes everything else to `app`. `ctl`: the running controller."""
@@ -76,9 +83,9 @@ class HeartbeatRoute:
                 or not path.endswith((SUFFIX, LINK_SUFFIX)) or path.count("/") != PREFIX.count("/") + 1:
             await self.app(scope, receive, send)
             return
-        name = path[len(PREFIX):-len(SUFFIX)]
-        if path.endswith(LINK_SUFFIX):
-            await self._link(path[len(PREFIX):-len(LINK_SUFFIX)], scope, receive, send)
+        name, _, route = path[len(PREFIX):].partition("/")
+        if route == LINK_SUFFIX[1:]:
+            await self._link(name, scope, receive, send)
             return
         try:
             hb = self._parse(await self._body(receive))
@@ -91,10 +98,7 @@ class HeartbeatRoute:
                 self.links.heartbeats += 1
         except Refused as err:
             status, reply = err.status, {"detail": err.detail}
-        body = json.dumps(reply, separators=(",", ":")).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, status, reply)
 
     async def _link(self, name: str, scope, receive, send) -> None:
         """Held open while the node's agent lives (`server/links.py`). Nothing looked up: a link counts only for
@@ -104,10 +108,7 @@ class HeartbeatRoute:
         if self.links is None or self.links.stopped.is_set() or not handle:
             status, detail = ((404, "this controller keeps no agent links") if self.links is None else
                               (503, "the controller is stopping") if handle else (422, "query: handle is required"))
-            body = json.dumps({"detail": detail}).encode()
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
-            await send({"type": "http.response.body", "body": body})
+            await _send_json(send, status, {"detail": detail})
             return
         await LinkResponse(self.links, name, handle)(scope, receive, send)
 
