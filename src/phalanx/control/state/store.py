@@ -60,7 +60,7 @@ class Store(EventRecords):
         self._rows: dict[str, Node] | None = None  # owner: name → Node, loaded on the first read
         self._order: list[str] | None = None  # owner: names by (created_at, name), rebuilt when a node is added
         self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite
-        self._flushed_at = 0.0  # (time.monotonic) the last flush_observed that wrote
+        self._flushed_at = float("-inf")  # (time.monotonic) the last flush_observed that wrote
         self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
         self.job_memo: dict | None = {} if owner else None  # owner: `JobRecords`' reads, until its next write
         self.reports_memo: dict | None = {} if owner else None  # owner: node → worker reports ingested (`JobRecords`)
