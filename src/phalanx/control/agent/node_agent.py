@@ -42,7 +42,7 @@ from phalanx.control.agent.deep_check import DeepCheckRunner
 from phalanx.control.agent.link import Link, news
 from phalanx.control.agent.slurm_allocation import SlurmAllocation, ignoring_usr2
 from phalanx.control.agent.join import TOKEN_ENV, act_on, free_ports, join
-from phalanx.control.http import ApiError, ControllerUnreachable, request_json
+from phalanx.control.http import ApiError, ControllerUnreachable, KeepAlive
 from phalanx.control.state.paths import PRIVATE_UMASK
 from phalanx.control.agent.supervisor import WorkerSupervisor
 from phalanx.control.agent.template import WorkerTemplate
@@ -283,7 +283,7 @@ class Agent:
         link = Link(self.name, self.handle, self.token, self.endpoint_url, interval=self.interval, stop=self.stop,
                     dropped=self.wake.set, poked=self._poked)
         link.start()
-        url, down_since = self.endpoint_url(), None
+        url, down_since, session = self.endpoint_url(), None, KeepAlive()  # (one connection for the heartbeats)
         while not self.stop.is_set():
             if not self.work_dir.is_dir():
                 self.exit_reason = f"work dir {self.work_dir} is gone (cluster deleted)"
@@ -298,7 +298,7 @@ class Agent:
                     self.wake.wait(self.interval)
                     continue
                 self.poke.clear()
-                reply = request_json("POST", f"{url}/v1/nodes/{self.name}/heartbeat", self.token, body,
+                reply = session.request_json("POST", f"{url}/v1/nodes/{self.name}/heartbeat", self.token, body,
                                      timeout=max(2.0, 4 * self.interval))
                 if down_since is not None:
                     log.info("controller reachable again at %s after %.1f s", url, time.monotonic() - down_since)
@@ -329,6 +329,7 @@ class Agent:
                     break
                 log.error("heartbeat refused (%s); retrying in %g s", err, self.interval)
             self.wake.wait(self.next_heartbeat_s or self.interval)
+        session.close()
         self.shutdown()
         return 0
 
