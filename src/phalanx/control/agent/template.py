@@ -141,18 +141,25 @@ class WorkerTemplate:
                         "the next worker starts a new template", proc.pid, code)
 
     def close(self) -> None:
-        """The agent is exiting: end the template (its stdin closes; SIGKILL after 2 s)."""
+        """The agent is exiting: end the template (its stdin closes; SIGKILL after 2 s). One still importing torch
+        reads its stdin only once the import is done, and has forked nothing yet: it is killed at once."""
         with self.lock:
             proc, self.proc, self.closed = self.proc, None, True
         if proc is None:
             return
         proc.closing = True
-        try:
-            proc.stdin.close()
-            proc.wait(timeout=2.0)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
+        with self.cond:
+            importing = not self.ready
+        if not importing:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=2.0)
+                return
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
 
     def coming(self) -> bool:
         """Not ready, but importing (or to be started again): a warm standby can wait for it rather than import
