@@ -460,6 +460,27 @@ def test_controller_sigkill_and_restart_leave_agents_untouched(tmp_path, home):
     assert not any(agent_alive(n) for n in after.values())
 
 
+def test_a_controller_paused_past_the_heartbeat_timeout_does_not_judge_its_agents_silent(tmp_path, home):
+    """The controller stopped (SIGSTOP: a VM paused, a debugger, the host swapping) for longer than
+    heartbeat_timeout_s: its agents were not silent, it was not listening. Once it runs again it reads what they sent
+    before it judges them (`AgentLinks.heard_until`): no node is faulty."""
+    path = write_spec(tmp_path)
+    create_cluster(path, timeout_s=60)
+    timeout = load_spec(path).health.heartbeat_timeout_s
+    client = ClusterClient("c1")
+    pid = controller_pid(client.paths)
+    for _ in range(3):  # (three pauses: the reconciler and the server's loop race to run first after each)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(timeout + 1.5)
+        resumed = time.time()
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: all((n["last_heartbeat"] or 0) > resumed for n in nodes_by_name(client).values()), 30,
+                 "every agent's heartbeat after the pause")
+    faulty = [(e["node"], e["reason"]) for e in client.events() if e["to_state"] == "faulty"]
+    assert not faulty, faulty
+    assert {n["state"] for n in nodes_by_name(client).values()} == {"healthy"}
+
+
 @pytest.mark.slow
 def test_delete_leaves_no_process_behind(tmp_path, home):
     # a lifecycle script that leaves a daemon running, as real ones do: it must die with its node

@@ -5,6 +5,7 @@ test_policy.py; a killed host on its own network namespace in test_hosts.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -129,6 +130,40 @@ def test_beats_come_up_the_link_and_pokes_go_down_it_to_the_node_named(tmp_path)
         agent.kill()
         agent.wait(timeout=10)
         server.should_exit = True
+
+
+def test_an_agent_waiting_for_its_answer_or_unread_in_a_stalled_loop_is_not_silent():
+    """Silence is the agent's, never the controller's: a heartbeat being answered counts as heard until its answer,
+    and while the server's loop is stalled (the GIL held, the process paused) silence is judged only up to when the
+    loop last ran (`heard_until`), since what agents sent since waits unread in its sockets."""
+    links = AgentLinks()
+    with links.answering("n1", "host:42"):
+        time.sleep(0.3)
+        during = time.time()
+        assert links.take_beats()[("n1", "host:42")] >= during  # waiting on the controller: heard now
+    assert links.take_beats()[("n1", "host:42")] >= during  # answered: heard when the answer was made
+    assert links.take_beats() == {}  # then only what it sends
+    assert links.heard_until(123.0) == 123.0  # no loop yet: judged up to now
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        loop.call_soon_threadsafe(links.attach, loop)
+        wait_for(lambda: links._stamp is not None, 5, "the loop's first stamp")
+        time.sleep(0.3)
+        assert links.heard_until(time.time()) == pytest.approx(time.time(), abs=0.01)  # running: now
+        loop.call_soon_threadsafe(time.sleep, 1.5)  # the loop stalls
+        time.sleep(1.0)
+        now = time.time()
+        assert links.heard_until(now) < now - 0.5, "judged only up to the stall"
+        time.sleep(1.0)  # running again: its stamps catch up
+        assert links.heard_until(time.time()) == pytest.approx(time.time(), abs=0.01)
+    finally:
+        loop.call_soon_threadsafe(links.stopped.set)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 def agent_messages(client: ClusterClient) -> dict[str, float]:

@@ -128,7 +128,8 @@ class Reconciler:
         if closed is not None:
             return self.fault(node, f"its agent's link to the controller closed {closed:.1f} s ago, and no heartbeat "
                               f"or new link came (the agent process ended)", "agent-gone")
-        silent = now - max(node.last_heartbeat, self.started_at)
+        heard = self.links.heard_until(now) if self.links is not None else now  # (not the controller's own stall)
+        silent = heard - max(node.last_heartbeat, self.started_at)
         if silent > h.heartbeat_timeout_s:
             return self.fault(node, f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})",
                               "heartbeat-timeout")

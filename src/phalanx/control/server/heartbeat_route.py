@@ -93,8 +93,13 @@ class HeartbeatRoute:
                 check_version(hb.protocol, f"the agent of node {name}")
             except ProtocolMismatch as err:
                 raise Refused(409, str(err)) from None
-            status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb), self.locks, self.queue)
-            if self.links is not None:
+            if self.links is None:
+                status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb), self.locks, self.queue)
+            else:  # its agent is heard from now, however long the answer waits for the store's lock
+                self.links.attach(asyncio.get_running_loop())
+                with self.links.answering(name, hb.handle):
+                    status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb), self.locks,
+                                                                self.queue)
                 self.links.heartbeats += 1
         except Refused as err:
             status, reply = err.status, {"detail": err.detail}

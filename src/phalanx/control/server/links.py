@@ -18,6 +18,10 @@ controller a few bytes each, not an HTTP request and a reply computed for nothin
   `poke`): its agent sends a full heartbeat at once, and so hears of a new generation, a stop or a directive as
   fast as it did when every heartbeat was full. Pokes are coalesced: a burst of writes is one poke per link.
 
+Silence is judged against what the controller could hear: an agent whose full heartbeat is being answered is
+heard until its answer (`answering`), and while the server's loop is stalled agents are judged only up to when it
+last ran (`heard_until`).
+
 Knows nothing about nodes' states or what a fault leads to.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import contextmanager
 
 from starlette.responses import Response
 
@@ -33,6 +38,7 @@ from phalanx.protocol.messages import LINK_BEAT, LINK_BEAT_S, LINK_POKE
 
 
 POKES_PER_S, POKE_BATCH = 1000.0, 50  # at most as many heartbeats as hurried nodes send (`FAST_POLL_PER_S`)
+STAMP_S = 0.1  # how often the server's loop says it is running (`heard_until`)
 
 
 class AgentLinks:
@@ -46,6 +52,32 @@ class AgentLinks:
         self._pokes: dict[str, set[asyncio.Event]] = {}  # (the loop's) node → its open links' poke events
         self._poke_all, self._poke_names, self._poke_due = False, set(), False  # pokes not delivered yet
         self.beats = self.pokes = self.heartbeats = 0  # counted for /metrics (full heartbeats: `heartbeat_route`)
+        self._stamp: float | None = None  # the server's loop last ran at (`_tick`): it reads every agent's messages
+        self._answering: dict[tuple[str, str], int] = {}  # (node, handle) → its heartbeats being answered
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The server's loop (the first link or heartbeat it serves): pokes go through it, and it stamps the time
+        every STAMP_S while it runs."""
+        if self._loop is not loop:
+            self._loop = loop
+            self._tick()
+
+    def _tick(self, due: float | None = None) -> None:
+        """Every STAMP_S: the loop has read what came before `due` (when this call was due), or before now when it
+        runs on time. A call late by a stall (the process paused, the GIL held) runs before the sockets' backlog is
+        read: it says only that the loop was running until `due`."""
+        now = time.time()
+        self._stamp = now if due is None else min(now, due)
+        if not self.stopped.is_set():
+            self._loop.call_later(STAMP_S, self._tick, now + STAMP_S)
+
+    def heard_until(self, now: float) -> float:
+        """Until when the controller has read what agents sent: `now`, unless its loop has not run for a while (a
+        stall: the GIL held by a long tick, the process paused), when messages that came since wait unread in its
+        sockets; an agent's silence is judged up to this time, not to `now`, so the controller's own stall never
+        reads as many agents' silence at once."""
+        stamp = self._stamp
+        return now if stamp is None else min(now, stamp + 2 * STAMP_S)
 
     def stop(self) -> None:
         """End every link (the controller stops: uvicorn waits for open responses before it exits). From any thread."""
@@ -81,12 +113,33 @@ class AgentLinks:
         return now - at
 
     def beat(self, node: str, handle: str, at: float) -> None:
+        """A beat on the link of `node`'s agent `handle`: it was heard from at `at`."""
         self._beats[(node, handle)] = at  # (the loop's thread; `take_beats` swaps the dict whole)
         self.beats += 1
 
+    @contextmanager
+    def answering(self, node: str, handle: str):
+        """Around answering a full heartbeat (the loop's thread): its agent was heard from when it arrived, and is
+        not silent while it waits for the answer — it sends nothing else meanwhile, and in a burst (a job launched
+        on a thousand nodes) the answers queue for seconds."""
+        key = (node, handle)
+        self._beats[key] = time.time()
+        self._answering[key] = self._answering.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._answering.pop(key) - 1
+            if left:
+                self._answering[key] = left
+            self._beats[key] = time.time()
+
     def take_beats(self) -> dict[tuple[str, str], float]:
-        """The newest beat of each agent since the last call (the reconciler's tick)."""
+        """The newest beat of each agent since the last call (the reconciler's tick); now, for an agent whose
+        heartbeat is being answered."""
         beats, self._beats = self._beats, {}
+        now = time.time()
+        for key in list(self._answering):
+            beats[key] = now
         return beats
 
     def poke(self, names: tuple[str, ...] | None = None) -> None:
@@ -158,7 +211,7 @@ class LinkResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         links = self.links
-        links._loop = asyncio.get_running_loop()
+        links.attach(asyncio.get_running_loop())
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")]})
         links.opened(self.node, self.handle)
