@@ -33,7 +33,8 @@ from phalanx.observability.events import EventKind
 
 MAX_GENERATIONS_KEPT = 64  # generations whose rows the controller keeps in memory (`workers`): its open ones
 WORKER_COLUMNS = frozenset(f.name for f in fields(WorkerRecord))
-STEP_COLUMNS = frozenset({"last_step", "updated_at"})  # a write of only these is no news to an agent
+# a write of only these (the progress the controller follows) is no news to an agent: no reply depends on them
+STEP_COLUMNS = frozenset({"last_step", "updated_at", "start_step", "first_step_at"})
 
 
 class JobRecords:
