@@ -75,9 +75,9 @@ class AgentLinks:
         """Until when the controller has read what agents sent: `now`, unless its loop has not run for a while (a
         stall: the GIL held by a long tick, the process paused), when messages that came since wait unread in its
         sockets; an agent's silence is judged up to this time, not to `now`, so the controller's own stall never
-        reads as many agents' silence at once."""
+        reads as many agents' silence at once. `now` once the links are stopped (its stamps stop with them)."""
         stamp = self._stamp
-        return now if stamp is None else min(now, stamp + 2 * STAMP_S)
+        return now if stamp is None or self.stopped.is_set() else min(now, stamp + 2 * STAMP_S)
 
     def stop(self) -> None:
         """End every link (the controller stops: uvicorn waits for open responses before it exits). From any thread."""
