@@ -19,6 +19,7 @@ import json
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Callable, TypeVar
 
 from pydantic import ValidationError
@@ -93,14 +94,14 @@ class HeartbeatRoute:
                 check_version(hb.protocol, f"the agent of node {name}")
             except ProtocolMismatch as err:
                 raise Refused(409, str(err)) from None
-            if self.links is None:
+            links = self.links
+            if links is not None:
+                links.attach(asyncio.get_running_loop())
+            # its agent is heard from now, however long the answer waits for the store's lock
+            with links.answering(name, hb.handle) if links is not None else nullcontext():
                 status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb), self.locks, self.queue)
-            else:  # its agent is heard from now, however long the answer waits for the store's lock
-                self.links.attach(asyncio.get_running_loop())
-                with self.links.answering(name, hb.handle):
-                    status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb), self.locks,
-                                                                self.queue)
-                self.links.heartbeats += 1
+            if links is not None:
+                links.heartbeats += 1
         except Refused as err:
             status, reply = err.status, {"detail": err.detail}
         await _send_json(send, status, reply)
