@@ -134,6 +134,21 @@ def test_api_port_in_use_is_one_clear_error_and_leaves_nothing(tmp_path, home):
     assert list_clusters() == [] and processes_mentioning(str(home)) == []
 
 
+def test_the_api_socket_listens_before_the_server_serves_so_an_early_agent_waits_and_is_not_refused():
+    """The endpoint file (and a join command's URL) names the API port as soon as it is bound; an agent that
+    connects before uvicorn serves waits in the backlog: a refused join is not retried."""
+    import socket
+
+    from phalanx.control.server.daemon import bind_api_socket
+
+    sock = bind_api_socket("127.0.0.1", 0, fallback_to_any=False)
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=5):  # ConnectionRefusedError before the fix
+            pass
+    finally:
+        sock.close()
+
+
 # ---- units: state machine, seam, health ----------------------------------------------------------------
 def test_store_refuses_illegal_transitions_and_records_every_move(tmp_path):
     spec = load_spec(write_spec(tmp_path, script=None))

@@ -29,7 +29,7 @@ from clusters import home, wait_for  # noqa: F401  (home is a fixture)
 from conftest import tiny_config
 from phalanx import protocol
 from phalanx.control.backends.local import free_port
-from phalanx.control.server.daemon import start_rendezvous_store
+from phalanx.control.server.daemon import RendezvousStore
 
 TOKEN = "a-cluster-token-for-this-test"
 TIMEOUT = timedelta(seconds=10)
@@ -77,8 +77,10 @@ def rank_env(rank: int, port: int, host: str = "127.0.0.1", job: str = "3") -> d
 
 # ---- where the stores listen ------------------------------------------------------------------------------
 def test_the_controllers_store_and_a_generations_rank0_store_listen_only_on_their_address():
-    controller_store = start_rendezvous_store("127.0.0.1", None)  # the controller's code path
+    controller_store = RendezvousStore("127.0.0.1", None, TOKEN)  # the controller's code path
+    controller_store.set("k", "v")  # (waits for torch's server, started in a thread, to serve its socket)
     assert listeners(controller_store.port) == {"127.0.0.1"}  # torch alone: {"::"}, every interface
+    assert controller_store.underlying_store.list_keys() == [f"{protocol.store_namespace(TOKEN)}/k"]
 
     port = free_port()
     rank0 = protocol.env_rendezvous_store(rank_env(0, port), TIMEOUT)  # what a restart-mode worker of rank 0 does
@@ -91,6 +93,21 @@ def test_the_controllers_store_and_a_generations_rank0_store_listen_only_on_thei
     # torchrun / srun (no agent, MASTER_ADDR not loopback): torch's env:// as before
     assert protocol.env_rendezvous_store({protocol.MASTER_ADDR: "node-0", protocol.MASTER_PORT: "1", protocol.RANK: "0"},
                                      TIMEOUT) is None
+
+
+def test_the_controllers_store_is_bound_at_once_serves_early_clients_and_moves_off_a_taken_port():
+    """Its socket listens before torch's server is up (started in a thread, off the controller's start-up path):
+    a client that connects first is served once it is; a restart's port, when taken, gives way to a free one."""
+    import torch.distributed as dist
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        store = RendezvousStore("127.0.0.1", taken.getsockname()[1], TOKEN)
+        assert store.port != taken.getsockname()[1] and listeners(store.port) == {"127.0.0.1"}
+        early = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
+        early.set(f"{protocol.store_namespace(TOKEN)}/k", "v")
+        assert store.get("k") == b"v"  # the controller's calls are namespaced
 
 
 @pytest.fixture
@@ -155,10 +172,11 @@ def test_a_client_on_another_address_cannot_reach_the_store(netns):
 
     ns, host_ip = netns
     default = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # what the code did before
-    loopback = start_rendezvous_store("127.0.0.1", None)  # the default api.host
+    loopback = RendezvousStore("127.0.0.1", None, TOKEN)  # the default api.host
     rank0_port, rank0_on_link_port = free_port(), free_port(host_ip)
     rank0 = protocol.env_rendezvous_store(rank_env(0, rank0_port), TIMEOUT)  # noqa: F841 (listens while referenced)
-    on_link = start_rendezvous_store(host_ip, None)  # api.host on the nodes' network
+    on_link = RendezvousStore(host_ip, None, TOKEN)  # api.host on the nodes' network
+    loopback.settle(60), on_link.settle(60)  # torch's servers on their sockets (started in threads)
     rank0_on_link = protocol.env_rendezvous_store(rank_env(0, rank0_on_link_port, host=host_ip), TIMEOUT)  # noqa: F841
 
     assert reachable_from(ns, [(host_ip, default.port), (host_ip, loopback.port), (host_ip, rank0_port),
@@ -175,8 +193,7 @@ def test_a_jobs_keys_live_under_the_clusters_namespace_and_a_stranger_finds_none
 
     from phalanx.resilience.membership import Membership
 
-    master = start_rendezvous_store("127.0.0.1", None)
-    keys = protocol.namespaced(master, TOKEN)  # what the controller hands its scheduler
+    master = keys = RendezvousStore("127.0.0.1", None, TOKEN)  # what the controller hands its scheduler
     addr = f"127.0.0.1:{master.port}"
     protocol.publish_generation(keys, "7", 2, ["workers-0", "workers-1"], 1)
     member = Membership(addr, "7", "workers-1", 0, token=TOKEN)  # the worker side (checkpointless)

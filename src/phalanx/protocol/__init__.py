@@ -89,7 +89,7 @@ from phalanx.protocol.env import (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
 from phalanx.protocol.keys import (generation_prefix, progress_key, alive_key, generation_key, layout_key,
     pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, standby_warm_key, publish_generation,
     read_progress, step_time_key, read_step_times, checkpoint_request_key)
-from phalanx.protocol.store import (store_namespace, namespaced, serve_store, connect_store, env_rendezvous_store,
-    standby_assignment, open_standby_assignment)
+from phalanx.protocol.store import (store_namespace, namespaced, listen_socket, serve_store, connect_store,
+    env_rendezvous_store, standby_assignment, open_standby_assignment)
 from phalanx.protocol.progress import (BEAT_S, EXIT_FLUSH_S, ProgressReporter, progress_reporter)
 from phalanx.protocol.version import (PROTOCOL_VERSION, PROTOCOL_ENV, ProtocolMismatch, check_version)

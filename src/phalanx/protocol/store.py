@@ -34,14 +34,10 @@ def namespaced(store, token: str | None):
     return dist.PrefixStore(store_namespace(token), store) if token else store
 
 
-def serve_store(host: str, port: int, timeout: timedelta | None = None):
-    """A TCPStore server listening on `host` only. torch's own (`TCPStore(is_master=True)`, and env://'s
-    rank 0) listens on every interface whatever `host` says (checked: torch 2.13, both backends); handing it
-    a socket bound here (`master_listen_fd`, which the store then owns) is the only way to choose.
-    OSError when `host:port` cannot be bound (port taken, address not on this machine)."""
+def listen_socket(host: str, port: int):
+    """A socket bound to `host:port` (0: a free port) and listening: what `serve_store` serves on. No torch, so
+    a caller can learn the port, and refuse a taken one, before importing it. OSError when it cannot be bound."""
     import socket
-
-    import torch.distributed as dist
 
     family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
@@ -53,6 +49,18 @@ def serve_store(host: str, port: int, timeout: timedelta | None = None):
     except BaseException:
         sock.close()
         raise
+    return sock
+
+
+def serve_store(host: str, port: int, timeout: timedelta | None = None, *, sock=None):
+    """A TCPStore server listening on `host` only. torch's own (`TCPStore(is_master=True)`, and env://'s
+    rank 0) listens on every interface whatever `host` says (checked: torch 2.13, both backends); handing it
+    a socket bound here (`master_listen_fd`, which the store then owns) is the only way to choose.
+    `sock`: one `listen_socket(host, port)` already made (clients that connected meanwhile are served).
+    OSError when `host:port` cannot be bound (port taken, address not on this machine)."""
+    import torch.distributed as dist
+
+    sock = sock if sock is not None else listen_socket(host, port)
     bound = sock.getsockname()[1]
     extra = {} if timeout is None else {"timeout": timeout}
     return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),

@@ -73,22 +73,55 @@ def bind_api_socket(host: str, port: int, fallback_to_any: bool) -> socket.socke
         log.warning("API port %d is taken (%s); next: listening on a free port (agents re-read endpoint.json)",
                     port, err)
         sock.bind((host, 0))
+    # listening from now: an agent that reads the endpoint file (or is handed the URL) and connects before uvicorn
+    # serves waits in the backlog instead of being refused (a join is not retried on a refusal)
+    sock.listen(2048)
     return sock
 
 
-def start_rendezvous_store(host: str, port: int | None):
-    """The controller-owned TCPStore, listening on `host` only (the address agents and workers are given).
-    Reuses `port` (a restart) when it is free, else picks one. Keys go through `protocol.namespaced`."""
+class RendezvousStore:
+    """The controller-owned TCPStore, listening on `host` only (the address agents and workers are given), and
+    every key under the cluster's namespace: calls on this object are the namespaced store's.
 
-    def make(p: int):
-        return protocol.serve_store(host, p)  # only the store: the control plane has no model code
+    Its socket is bound and listening when this returns, so the port is known (a restart reuses `port` when it
+    is free, else takes a free one); torch's server on that socket starts in a thread. Importing torch takes
+    ~2 s of a core, and neither the API nor the agents' start need it: the controller serves meanwhile. A
+    client that connects first waits in the listen backlog; a call here waits for the start."""
 
-    if port:
+    def __init__(self, host: str, port: int | None, token: str):
+        self.sock = None
+        if port:
+            try:
+                self.sock = protocol.listen_socket(host, port)
+            except OSError as err:
+                log.warning("rendezvous store port %d is taken (%s); next: a free port (describe shows it)",
+                            port, err)
+        self.sock = self.sock or protocol.listen_socket(host, 0)
+        self.port = self.sock.getsockname()[1]
+        self._keys, self._error, self._started = None, None, threading.Event()
+        threading.Thread(target=self._start, args=(host, token), name="rendezvous-store", daemon=True).start()
+
+    def _start(self, host: str, token: str) -> None:
         try:
-            return make(port)
-        except (RuntimeError, OSError) as err:
-            log.warning("rendezvous store port %d is taken (%s); next: a free port (describe shows it)", port, err)
-    return make(0)
+            server = protocol.serve_store(host, self.port, sock=self.sock)  # the control plane has no model code
+            self._keys = protocol.namespaced(server, token)
+            self._server = server  # (it owns the listening socket)
+        except Exception as err:  # noqa: BLE001 - said on every call, and in the log now
+            self._error = err
+            log.error("the rendezvous store on %s:%d did not start (%r); jobs cannot run: restart the controller",
+                      host, self.port, err)
+        finally:
+            self._started.set()
+
+    def settle(self, timeout: float) -> None:
+        """Wait for the start to end, so the process never exits while the thread is inside torch's import."""
+        self._started.wait(timeout)
+
+    def __getattr__(self, name: str):
+        self._started.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the rendezvous store did not start: {self._error!r}")
+        return getattr(self._keys, name)
 
 
 class Controller:
@@ -102,7 +135,7 @@ class Controller:
         self.store.on_change = self.links.poke  # news for an agent: it heartbeats now, not at its next full one
         self.backend = make_backend(self.spec, paths, self.store, self.links)
         self.server: uvicorn.Server | None = None
-        self.rendezvous = None  # the TCPStore, once started
+        self.rendezvous: RendezvousStore | None = None  # the namespaced TCPStore, once bound
         self.jobs: JobScheduler | None = None
         self.runs = JobRuns()  # what /metrics reads about each job's training (its run files, followed)
         self.deep_checks = DeepCheckCoordinator(self.spec, self.backend, self.store.changed)
@@ -151,7 +184,7 @@ class Controller:
         host = self.spec.api.host
         sock = bind_api_socket(host, cluster["api_port"] if restart else self.spec.api.port, fallback_to_any=restart)
         api_port = sock.getsockname()[1]
-        self.rendezvous = rendezvous = start_rendezvous_store(connect_host(host), cluster["store_port"])
+        self.rendezvous = rendezvous = RendezvousStore(connect_host(host), cluster["store_port"], self.token)
         self.store.update_cluster(controller_pid=os.getpid(), controller_started_at=started_at,
                                   api_host=connect_host(host), api_port=api_port, store_port=rendezvous.port)
         self.paths.write_endpoint({"pid": os.getpid(), "api_host": host, "connect_host": connect_host(host),
@@ -169,11 +202,10 @@ class Controller:
         log.info(what)
 
         self.store_addr = store_addr = f"{connect_host(host)}:{rendezvous.port}"
-        keys = protocol.namespaced(rendezvous, self.token)  # every key under the cluster's namespace
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
-            read_progress=lambda job, gen, ranks, **how: protocol.read_progress(keys, job, gen, ranks, **how),
-            controller_id=started_at, rendezvous=keys,
+            read_progress=lambda job, gen, ranks, **how: protocol.read_progress(rendezvous, job, gen, ranks, **how),
+            controller_id=started_at, rendezvous=rendezvous,
         )
         self.jobs.token = self.token
         if restart:
@@ -204,6 +236,7 @@ class Controller:
         finally:
             self._exit.set()
             loop.join(timeout=10)
+            rendezvous.settle(timeout=30)
             if self._stop_nodes_reason:
                 if not self._nodes_stopped:
                     self.stop_all_nodes(self._stop_nodes_reason)
@@ -217,7 +250,7 @@ class Controller:
 
     def _reconcile_loop(self, reconciler: Reconciler) -> None:
         # Agents can only reach us once the API serves; until then their silence is ours (a slow start under
-        # load: the torch import alone can take seconds), so heartbeat timeouts count from that moment.
+        # load), so heartbeat timeouts count from that moment.
         while not self._exit.is_set() and not (self.server is not None and self.server.started):
             self._exit.wait(0.05)
         reconciler.started_at = time.time()
