@@ -176,7 +176,8 @@ def test_a_client_on_another_address_cannot_reach_the_store(netns):
     rank0_port, rank0_on_link_port = free_port(), free_port(host_ip)
     rank0 = protocol.env_rendezvous_store(rank_env(0, rank0_port), TIMEOUT)  # noqa: F841 (listens while referenced)
     on_link = RendezvousStore(host_ip, None, TOKEN)  # api.host on the nodes' network
-    loopback.settle(60), on_link.settle(60)  # torch's servers on their sockets (started in threads)
+    for store in (loopback, on_link):  # torch's servers on their sockets (started in threads)
+        store.settle(60)
     rank0_on_link = protocol.env_rendezvous_store(rank_env(0, rank0_on_link_port, host=host_ip), TIMEOUT)  # noqa: F841
 
     assert reachable_from(ns, [(host_ip, default.port), (host_ip, loopback.port), (host_ip, rank0_port),
