@@ -73,7 +73,8 @@ def write_config(path: Path, config) -> Path:
 def running_workers(jobs: JobClient, job: str, generation: int, world_size: int) -> dict[int, dict]:
     def ready():
         info = jobs.describe(job)
-        rows = {w["rank"]: w for w in info["workers"] if w["generation"] == generation and w["state"] == "running"}
+        rows = {w["rank"]: w for w in info["workers"] if w["generation"] == generation and w["state"] == "running"
+                and w["pid"]}  # (a worker waiting for its node's template runs no process yet)
         return rows if len(rows) == world_size else None
 
     return wait_for(ready, 60, f"job {job} generation {generation}: {world_size} workers running")

@@ -175,6 +175,9 @@ def _fork(request: dict, wakeup: tuple[int, int]) -> None:
     if len(argv) < 3 or argv[1] != "-m" or argv[2] not in FORKABLE:
         _send({"id": request.get("id"), "error": f"not a forkable worker command: {argv[:3]}"})
         return
+    if _base_policy is not None and os.sched_getscheduler(0) != os.SCHED_IDLE:
+        # the agent hurried this template's import (a worker waited for it): what it forks starts yielding again
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     try:
         pid = os.fork()
     except OSError as err:

@@ -33,7 +33,7 @@ from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.hang import judge_hang
 from phalanx.control.agent.slurm_allocation import ignoring_usr2
 from phalanx.control.agent.standby import Standby, StandbyPool
-from phalanx.control.agent.template import TemplateUnavailable, WorkerTemplate, on_this_host
+from phalanx.control.agent.template import WAIT_S, TemplateUnavailable, WorkerTemplate, forkable, on_this_host
 from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
                                           signal_group)
 from phalanx.observability.events import EventKind, EventLog
@@ -119,8 +119,8 @@ class WorkerSupervisor(StandbyPool):
         in the meantime, the death is this generation's: it is reported as such (its peers are regrouping with
         it and fail), and the controller starts the next generation — a fresh process here would join a
         generation its peers have already left."""
-        def serves(w: Worker) -> bool:
-            return w.state == "running" or (r.carry and w.state == "exited" and not w.stopped)
+        def serves(w: Worker) -> bool:  # (one still waiting to start would start with the old generation's env)
+            return (w.state == "running" and w.launch is None) or (r.carry and w.state == "exited" and not w.stopped)
 
         old = next((w for w in self.workers.values() if w.job == a.job and w.local_rank == r.local_rank
                     and w.generation < a.generation and serves(w)), None)
@@ -159,26 +159,38 @@ class WorkerSupervisor(StandbyPool):
             cluster_token=self.token, config_path=a.config_path, node=self.node, recovery=a.recovery or "restart",
         )
         env = protocol.worker_env(placement, base={**os.environ, **a.env})
-        log_path = Path(a.log_dir) / f"rank{rank}.log"
-        w = Worker(a.job, a.generation, rank, local_rank, pid=None, started_at=time.time(), log_path=log_path,
-                   last_change=time.monotonic())
+        w = Worker(a.job, a.generation, rank, local_rank, pid=None, started_at=time.time(),
+                   log_path=Path(a.log_dir) / f"rank{rank}.log", last_change=time.monotonic())
+        argv = on_this_host(a.argv)
+        if self.template is not None and forkable(argv) and self.template.importing():
+            w.launch = (argv, env, a.cwd, time.monotonic() + WAIT_S)  # started by `poll` once the template is ready
+            w.detail = "waiting for the node's worker template (importing torch)"
+            self.template.hurry()
+            log.info("worker rank %d/%d of job %s generation %d waits for the node's worker template (importing "
+                     "torch; at most %.0f s, then exec'd)", rank, a.world_size, w.job, w.generation, WAIT_S)
+            return w
+        return self._launch(w, argv, env, a.cwd)
+
+    def _launch(self, w: Worker, argv: list[str], env: dict, cwd: str) -> Worker:
+        w.launch, w.detail, w.started_at, w.last_change = None, None, time.time(), time.monotonic()
         try:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as out:
-                out.write(f"=== phalanx: job {w.job} generation {w.generation} rank {rank} on node {self.node}, "
+            w.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(w.log_path, "ab") as out:
+                out.write(f"=== phalanx: job {w.job} generation {w.generation} rank {w.rank} on node {self.node}, "
                           f"started {time.strftime('%H:%M:%S')} ===\n".encode())
                 out.flush()
-                w.proc, how = self._spawn(on_this_host(a.argv), env, a.cwd, log_path, out)
+                w.proc, how = self._spawn(argv, env, cwd, w.log_path, out)
         except OSError as err:
             w.state, w.exit_code, w.ended_at = "exited", 127, time.time()
-            w.detail = f"could not be started ({' '.join(a.argv)[:200]} in {a.cwd}): {err}"
+            w.detail = f"could not be started ({' '.join(argv)[:200]} in {cwd}): {err}"
             log.error("worker rank %d of job %s generation %d %s; reporting it, the controller decides what happens "
-                      "next", rank, w.job, w.generation, w.detail)
+                      "next", w.rank, w.job, w.generation, w.detail)
             self.wake()
             return w
         w.pid = w.proc.pid
-        log.info("started worker rank %d/%d of job %s generation %d (pid %d, %s, MASTER_PORT %s, log %s)", rank,
-                 a.world_size, w.job, w.generation, w.pid, how, a.master_port, log_path)
+        log.info("started worker rank %d/%s of job %s generation %d (pid %d, %s, MASTER_PORT %s, log %s)", w.rank,
+                 env.get(protocol.WORLD_SIZE), w.job, w.generation, w.pid, how, env.get(protocol.MASTER_PORT),
+                 w.log_path)
         return w
 
     def _spawn(self, argv: list[str], env: dict, cwd, log_path: Path, out) -> tuple:
@@ -194,8 +206,31 @@ class WorkerSupervisor(StandbyPool):
         return subprocess.Popen(ignoring_usr2(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, **own_process_group()), how
 
+    def _launch_due(self, w: Worker, now: float) -> None:
+        """A worker waiting for the node's template: started once the template is ready, gone, or WAIT_S late."""
+        argv, env, cwd, deadline = w.launch
+        if self.template.importing() and now < deadline:
+            self.template.hurry()  # (again: a template that had not yet lowered itself when first hurried)
+            return
+        if not self.template.ready:
+            log.warning("the node's worker template is %s; worker rank %d of job %s is exec'd instead",
+                        f"still importing after {WAIT_S:.0f} s" if self.template.importing() else "gone", w.rank,
+                        w.job)
+        self._launch(w, argv, env, cwd)
+        self.wake()  # (its pid reaches the controller now, not at the next interval)
+
     def _stop(self, w: Worker, now: float) -> None:
-        w.state, w.stopped, w.stop_sent_at = "stopping", True, now
+        if w.launch is not None:  # never started: nothing to signal
+            w.launch, w.stopped = None, True
+            w.state, w.exit_code, w.ended_at = "exited", -signal.SIGTERM, time.time()
+            w.detail = "stopped before it started (it was waiting for the node's worker template)"
+            log.info("worker rank %d of job %s generation %d %s", w.rank, w.job, w.generation, w.detail)
+            self.wake()
+            return
+        # one this agent already killed for a hang stays a hang: the controller stops a generation as soon as
+        # another rank's exit arrives, often before the hung worker's own exit is seen (a forked worker's comes
+        # through its template), and a stopped worker's exit is not a fault
+        w.state, w.stopped, w.stop_sent_at = "stopping", w.hang is None, now
         log.info("stopping worker rank %d of job %s generation %d (pid %d): no longer assigned; SIGTERM, SIGKILL "
                  "after %.0f s", w.rank, w.job, w.generation, w.pid, STOP_GRACE_S)
         signal_group(w.pid, signal.SIGTERM)
@@ -206,6 +241,8 @@ class WorkerSupervisor(StandbyPool):
         now, exited = time.monotonic(), False
         with self.lock:
             for w in self.workers.values():
+                if w.launch is not None:
+                    self._launch_due(w, now)
                 if w.proc is None or w.state == "exited":
                     continue
                 code = w.proc.poll()
@@ -280,6 +317,9 @@ class WorkerSupervisor(StandbyPool):
         with self.lock:
             self._keep_standbys(0)
             self.desired, self.held = set(), set()
+            for w in self.workers.values():
+                if w.launch is not None:
+                    self._stop(w, time.monotonic())
             running = [w for w in self.workers.values() if w.proc is not None and w.state != "exited"]
             for w in running:
                 if w.state == "running":
