@@ -161,8 +161,10 @@ def serve() -> int:
         if 0 not in readable:
             continue
         data = os.read(0, 1 << 16)
-        if not data:
-            return 0  # the agent is gone: its workers stay (each in its own process group), as exec'd ones would
+        if not data:  # the agent is gone: its workers stay (each in its own process group), as exec'd ones would
+            sys.stderr.flush()
+            os._exit(0)  # (not the interpreter's teardown of torch: ~0.9 s here, longer under SCHED_IDLE, and the
+            #              agent's exit waits for it)
         pending += data
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)

@@ -56,8 +56,13 @@ class Reconciler:
         self.started_at = started_at
         self.request_exit = request_exit  # stop every node and exit the controller, with a reason
         self._said: set[str] = set()  # "waiting" lines already logged (log once, not every tick)
+        self._heard: float | None = None  # until when the server's loop had read agents' messages (`tick`)
 
     def tick(self) -> None:
+        # what the server's loop had read when the tick began: every beat read by then is folded next, and silence
+        # is judged up to this time, not to when `observe` runs — the loop may read a paused controller's backlog
+        # meanwhile, and stamp that it runs, with those beats not folded yet
+        self._heard = self.links.heard_until(time.time()) if self.links is not None else None
         self._fold_beats()
         self.store.flush_observed(every_s=FLUSH_S)  # the heartbeats' batched observations, into SQLite
         status = ClusterStatus(self.store.cluster()["status"])
@@ -128,7 +133,7 @@ class Reconciler:
         if closed is not None:
             return self.fault(node, f"its agent's link to the controller closed {closed:.1f} s ago, and no heartbeat "
                               f"or new link came (the agent process ended)", "agent-gone")
-        heard = self.links.heard_until(now) if self.links is not None else now  # (not the controller's own stall)
+        heard = now if self._heard is None else min(now, self._heard)  # (not the controller's own stall)
         silent = heard - max(node.last_heartbeat, self.started_at)
         if silent > h.heartbeat_timeout_s:
             return self.fault(node, f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})",
