@@ -29,6 +29,7 @@ import select
 import signal
 import sys
 import time
+from typing import NoReturn
 
 FORKABLE = ("phalanx.worker", "phalanx.train.worker")
 # The template's imports and a warm standby's warm-up are done ahead of need: they yield to training on the same
@@ -134,7 +135,7 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
     os._exit(127)
 
 
-def serve() -> int:
+def serve() -> NoReturn:  # (it exits when the agent closes its stdin)
     global _base_policy
     started = time.perf_counter()
     _base_policy = lower_priority()

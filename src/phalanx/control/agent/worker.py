@@ -67,7 +67,8 @@ class Worker:
     hang_detection: bool = True
     reported_exit: bool = False  # a heartbeat carrying its exit was answered
     carried_from: list | None = None  # checkpointless: [generation, rank] this process served before
-    launch: tuple | None = None  # (argv, env, cwd) of a worker not started yet: it waits for the node's template
+    launch: tuple | None = None  # (argv, env, cwd, deadline) of a worker not started yet: it waits for the node's
+    #                              template until the deadline (monotonic), then it is exec'd
 
     @property
     def assignment(self) -> tuple[str, int]:
