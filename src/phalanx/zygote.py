@@ -31,6 +31,8 @@ import sys
 import time
 from typing import NoReturn
 
+from phalanx.process import exit_without_teardown  # (the standard library only)
+
 FORKABLE = ("phalanx.worker", "phalanx.train.worker")
 # The template's imports and a warm standby's warm-up are done ahead of need: they yield to training on the same
 # host (the local backend's nodes share one machine; on 2 cores a spare's refill importing torch slowed the
@@ -163,9 +165,8 @@ def serve() -> NoReturn:  # (it exits when the agent closes its stdin)
             continue
         data = os.read(0, 1 << 16)
         if not data:  # the agent is gone: its workers stay (each in its own process group), as exec'd ones would
-            sys.stderr.flush()
-            os._exit(0)  # (not the interpreter's teardown of torch: ~0.9 s here, longer under SCHED_IDLE, and the
-            #              agent's exit waits for it)
+            exit_without_teardown(0)  # (not the interpreter's teardown of torch: ~0.9 s here, longer under
+            #                            SCHED_IDLE, and the agent's exit waits for it)
         pending += data
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)

@@ -49,6 +49,7 @@ from phalanx.control.policy.reconciler import TERMINATE_GRACE_S, Reconciler
 from phalanx.control.policy.scheduler import JobScheduler
 from phalanx.control.state.store import ClusterStatus, NodeState, open_existing
 from phalanx.observability.events import EventKind as E
+from phalanx.process import exit_without_teardown
 from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S
 
 TICK_S = 0.2
@@ -310,10 +311,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
     # Everything is saved (SQLite commits as it goes) and every node stopped: skip the interpreter's teardown, which
     # with torch loaded (the rendezvous store) took ~0.7 s here, and which a thread still in torch could abort.
-    os._exit(code)
+    exit_without_teardown(main())
