@@ -2,11 +2,15 @@
 agent, that imports torch and the training code once and then forks every worker (and warm standby) the agent
 asks for. A forked worker skips the interpreter start and the imports (3.4 s of CPU on the CI box), which is
 what a cold replacement, a restarted generation and a standby refill used to spend before their first step.
+`python -m phalanx.zygote --for-launcher` is the same for `phalanx train --nproc N` (`train/forked.py`): one
+import for the N ranks, and no yielding (`lower_priority`): the ranks it forks are all there is to run.
 
 The agent speaks JSON lines on the template's stdin and stdout (`control/agent/template.py` is the other
 side):
 
     → {"id": N, "argv": [python, "-m", "phalanx.worker", ...], "env": {...}, "cwd": DIR, "log": FILE}
+      (or "stdout_fd": FD instead of "log": the worker's stdout is the template's inherited descriptor FD and its
+      stderr the template's own, as a plain child of the launcher would have them)
     ← {"ready": true, "pid": P, "import_s": S, "idle": B}  once, when the imports are done (B: under SCHED_IDLE)
     ← {"id": N, "pid": P} | {"id": N, "error": "..."}  the answer to each request
     ← {"exited": P, "code": C}                         a forked worker ended (C as Popen.returncode)
@@ -101,13 +105,17 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
         for fd in wakeup:
             os.close(fd)
         os.setpgid(0, 0)  # a process group of its own: a stop reaches its children (as for a plain exec)
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
         os.close(devnull)
+        if request.get("log"):
+            log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(log)
+        else:  # the launcher's stdout, passed down; stderr is the template's, the launcher's too
+            os.dup2(request["stdout_fd"], 1)
+            os.close(request["stdout_fd"])
         argv = request["argv"]
         try:  # (before the environment is replaced: setproctitle may move it)
             import setproctitle
@@ -137,10 +145,10 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
     os._exit(127)
 
 
-def serve() -> NoReturn:  # (it exits when the agent closes its stdin)
+def serve(*, yielding: bool = True) -> NoReturn:  # (it exits when the agent closes its stdin)
     global _base_policy
     started = time.perf_counter()
-    _base_policy = lower_priority()
+    _base_policy = lower_priority() if yielding else None
     preload()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -179,6 +187,9 @@ def _fork(request: dict, wakeup: tuple[int, int]) -> None:
     if len(argv) < 3 or argv[1] != "-m" or argv[2] not in FORKABLE:
         _send({"id": request.get("id"), "error": f"not a forkable worker command: {argv[:3]}"})
         return
+    if not request.get("log") and not isinstance(request.get("stdout_fd"), int):
+        _send({"id": request.get("id"), "error": "a request names its output: log (a file) or stdout_fd"})
+        return
     if _base_policy is not None and os.sched_getscheduler(0) != os.SCHED_IDLE:
         # the agent hurried this template's import (a worker waited for it): what it forks starts yielding again
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -193,9 +204,11 @@ def _fork(request: dict, wakeup: tuple[int, int]) -> None:
 
 
 def main() -> int:
+    if "--for-launcher" in sys.argv[1:]:
+        return serve(yielding=False)
     if "--for-node" not in sys.argv[1:]:
-        print("usage: python -m phalanx.zygote --for-node NAME (started by a node agent, which speaks to it on "
-              "stdin/stdout)", file=sys.stderr)
+        print("usage: python -m phalanx.zygote --for-node NAME | --for-launcher (started by a node agent or by "
+              "`phalanx train`, which speak to it on stdin/stdout)", file=sys.stderr)
         return 2
     return serve()
 

@@ -1,7 +1,8 @@
 """Local launcher: validate a config, then start N worker processes on this machine and watch them.
 
 The config is checked before anything starts (degrees vs world size, batch arithmetic, data files,
-vocabulary), so a bad config starts nothing. Workers get the usual torch variables plus PHALANX_CONFIG.
+vocabulary), so a bad config starts nothing. Workers get the usual torch variables plus PHALANX_CONFIG; they
+are forked from one worker template that imported torch once (`forked.py`), or exec'd where it cannot.
 If one worker fails, the others are stopped and its exit code is returned. Exit code 2 is a worker refusing
 what it found (e.g. a checkpoint written for another model): every rank refuses alike and rank 0 prints the
 one-line reason, so the launcher lets them exit on their own (`REFUSAL_GRACE_S`) and adds nothing.
@@ -21,9 +22,12 @@ import time
 from pathlib import Path
 
 from phalanx.train.config import ConfigError, TrainConfig, check_local_paths, dump_config
+from phalanx.train.forked import ForkedWorker, Template, TemplateError
 
 BAD_INPUT_EXIT_CODE = 2  # a worker refused its config or checkpoint; it printed why (rank 0)
 REFUSAL_GRACE_S = 15.0  # how long the other workers get to refuse too before they are stopped
+Worker = subprocess.Popen | ForkedWorker
+FORK_ENV = "PHALANX_LAUNCH_FORK"  # "0": every worker exec'd (its own interpreter and imports), no template
 
 
 def free_port() -> int:
@@ -32,15 +36,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_local_gpus(nproc: int) -> None:
+def check_local_gpus(nproc: int) -> int:
     """On a machine with GPUs each local worker takes cuda:LOCAL_RANK: more workers than GPUs would fail inside
-    the workers (an invalid device, or NCCL refusing two ranks on one GPU). Raises ConfigError."""
+    the workers (an invalid device, or NCCL refusing two ranks on one GPU). Raises ConfigError. Returns the GPUs
+    the workers see."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and nproc > gpus:
         raise ConfigError(f"--nproc={nproc} but this machine shows {gpus} GPU{'s' if gpus > 1 else ''}: a worker "
                           f"per GPU; use --nproc {gpus} or fewer, or train on the CPU with CUDA_VISIBLE_DEVICES=")
+    return gpus
 
 
 def preflight(config: TrainConfig, nproc: int) -> None:
@@ -79,8 +85,19 @@ def worker_env(rank: int, nproc: int, port: int, config_path: Path, threads: int
 
 def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = None) -> int:
     """Run the job to completion on `nproc` local processes. Returns the job's exit code."""
+    template = _template()  # (its import of torch runs beside the checks below, which import torch here too)
+    try:
+        return _launch(config, nproc, threads_per_worker, template)
+    finally:
+        if template is not None:
+            template.close()
+
+
+def _launch(config: TrainConfig, nproc: int, threads_per_worker: int | None, template: Template | None) -> int:
     preflight(config, nproc)
-    check_local_gpus(nproc)
+    if check_local_gpus(nproc) and template is not None:  # (CUDA's fork safety after the imports is not tested)
+        template.close()
+        template = None
     run_dir = Path(config.run_dir)
     config_path = run_dir / "config.json"
     try:
@@ -91,13 +108,13 @@ def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = 
                           f"({err.strerror or err}); choose a writable directory") from None
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // nproc)
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "phalanx.worker"],
-            env=worker_env(rank, nproc, port, config_path, threads),
-        )
-        for rank in range(nproc)
-    ]
+    if template is not None:
+        try:
+            template.wait_ready()
+        except TemplateError as err:
+            print(f"phalanx train: {err}; starting each worker with its own interpreter", file=sys.stderr)
+            template = None
+    procs = [_start(template, worker_env(rank, nproc, port, config_path, threads)) for rank in range(nproc)]
     try:
         return _watch(procs)
     except KeyboardInterrupt:
@@ -105,7 +122,29 @@ def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = 
         return 130
 
 
-def _watch(procs: list[subprocess.Popen]) -> int:
+def _template() -> Template | None:
+    """The worker template the ranks are forked from (Linux, CPU ranks; `PHALANX_LAUNCH_FORK=0`: none), or None:
+    each rank is exec'd and imports torch itself."""
+    if sys.platform != "linux" or os.environ.get(FORK_ENV, "1") == "0":
+        return None
+    try:
+        return Template.spawn()
+    except TemplateError as err:
+        print(f"phalanx train: {err}; starting each worker with its own interpreter", file=sys.stderr)
+        return None
+
+
+def _start(template: Template | None, env: dict) -> Worker:
+    argv = [sys.executable, "-m", "phalanx.worker"]
+    if template is not None:
+        try:
+            return template.fork(argv, env, os.getcwd())
+        except TemplateError as err:
+            print(f"phalanx train: {err}; starting the worker with its own interpreter", file=sys.stderr)
+    return subprocess.Popen(argv, env=env)
+
+
+def _watch(procs: list[Worker]) -> int:
     exits = _ExitWatch(procs)
     try:
         while True:
@@ -129,7 +168,7 @@ class _ExitWatch:
     """Sleep until one of the workers exits: on a pidfd per worker (Linux ≥ 5.3), so the launcher takes no CPU
     from the workers while they train; elsewhere a 0.1 s poll."""
 
-    def __init__(self, procs: list[subprocess.Popen]):
+    def __init__(self, procs: list[Worker]):
         self.fds: dict[int, int] = {}
         for p in procs:
             try:
@@ -154,7 +193,7 @@ class _ExitWatch:
         self.fds = {}
 
 
-def _all_exit_by_themselves(procs: list[subprocess.Popen], grace_s: float) -> bool:
+def _all_exit_by_themselves(procs: list[Worker], grace_s: float) -> bool:
     """Wait up to `grace_s` for every worker to exit; True if they all did, each with a non-zero code."""
     deadline = time.monotonic() + grace_s
     for p in procs:
@@ -165,7 +204,7 @@ def _all_exit_by_themselves(procs: list[subprocess.Popen], grace_s: float) -> bo
     return all(p.returncode != 0 for p in procs)
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+def _stop(procs: list[Worker], grace_s: float = 5.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
