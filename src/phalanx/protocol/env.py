@@ -39,9 +39,12 @@ ACTIVATED_AT = "PHALANX_ACTIVATED_AT"  # a warm standby's activation time (epoch
 EXIT_STUCK = 75
 
 
-def rank_of(nodes: list[str], node: str, local_rank: int, workers_per_node: int) -> int:
-    """The global rank of slot `local_rank` on `node` in a generation laid out on `nodes` (in order)."""
-    return nodes.index(node) * workers_per_node + local_rank
+def rank_of(nodes: list[str] | Mapping[str, int], node: str, local_rank: int, workers_per_node: int) -> int:
+    """The global rank of slot `local_rank` on `node` in a generation laid out on `nodes` (in order; or a mapping
+    of each node to its position, which the controller keeps so that a lookup at thousands of nodes is not a
+    scan of the list)."""
+    position = nodes[node] if isinstance(nodes, Mapping) else nodes.index(node)
+    return position * workers_per_node + local_rank
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class Assignments:
                 gen = self.records.generation(job.id, job.generation)
                 if gen is None:
                     continue
-                if node.name not in gen.nodes:
+                if node.name not in gen.node_index:
                     if self.leaving(job, gen, node.name, sent_at):  # a resize left it: its workers exit by themselves
                         out.append(Assignment(job=job.id, generation=gen.generation, hold=True, ranks=[]))
                     continue
@@ -92,7 +92,7 @@ class Assignments:
                 if gen.stop_at is not None:
                     continue
                 per = job.workers_per_node
-                first = protocol.rank_of(gen.nodes, node.name, 0, per)
+                first = protocol.rank_of(gen.node_index, node.name, 0, per)
                 survivors = self.inplace.survivor_slots(job, gen)
                 carried = self.inplace.carried_standbys(job, gen) if survivors else {}
                 ranks = [RankSlot(rank=first + i, local_rank=i,
@@ -122,7 +122,7 @@ class Assignments:
                 gen = self.records.generation(job.id, job.generation)
                 if gen is None:
                     continue
-                mine = node.name in gen.nodes
+                mine = node.name in gen.node_index
                 if gen.stop_at is not None and gen.ended_at is None:
                     hurry = mine  # its workers must stop and the agent say so
                 elif job.state == J.RECOVERING:
@@ -130,7 +130,7 @@ class Assignments:
                         now - (gen.ended_at or gen.stop_at or now) < HURRY_S
                 else:  # running: until this node reports the generation's workers
                     hurry = mine and now - gen.started_at < HURRY_S and not self.records.any_reported(
-                        job.id, gen.generation, protocol.rank_of(gen.nodes, node.name, 0, job.workers_per_node),
+                        job.id, gen.generation, protocol.rank_of(gen.node_index, node.name, 0, job.workers_per_node),
                         job.workers_per_node)
                 if hurry:
                     return max(FAST_POLL_S, len(gen.nodes) / FAST_POLL_PER_S)
@@ -142,7 +142,7 @@ class Assignments:
         if node.state != S.HEALTHY or not self.spec.group(node.group).warm_standby:
             return 0
         with self.lock:
-            busy = any(node.name in j.nodes for j in self.records.jobs(ACTIVE))
+            busy = any(node.name in j.node_index for j in self.records.jobs(ACTIVE))
             return 0 if busy else self.spec.group(node.group).profile.worker_slots
 
     def _worker_env(self, job: Job) -> dict:
@@ -202,7 +202,7 @@ class Assignments:
                     standby = ready.get(str(local))
                     if standby is None:
                         continue  # its agent starts a fresh process for this rank
-                    rank = protocol.rank_of(gen.nodes, name, local, per)
+                    rank = protocol.rank_of(gen.node_index, name, local, per)
                     env = protocol.worker_env(self._placement(job, gen, name, rank, local), base=self._worker_env(job))
                     self.rendezvous.set(protocol.standby_key(standby), protocol.standby_assignment(
                         self.token, standby, env, str(Path(job.job_dir) / "logs" / f"rank{rank}.log")))

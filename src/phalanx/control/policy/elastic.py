@@ -214,7 +214,7 @@ class Elasticity:
         if job.elastic is None or gen.generation < 2 or now - gen.started_at > LEAVE_GRACE_S:
             return False
         prev = self.records.generation(job.id, gen.generation - 1)
-        return prev is not None and prev.outcome == Outcome.RESIZED and node in prev.nodes
+        return prev is not None and prev.outcome == Outcome.RESIZED and node in prev.node_index
 
     # ---- the API ------------------------------------------------------------------------------------------------
     def scale(self, key: str, replicas: int) -> Job:

@@ -69,7 +69,7 @@ class InPlaceRecovery:
             return set()
         per = job.workers_per_node
         faulted = {(f["node"], f["rank"] % per) for f in prev.faults if f.get("rank") is not None}
-        return {(n, i) for n in gen.nodes if n in prev.nodes for i in range(per)} - faulted
+        return {(n, i) for n in gen.nodes if n in prev.node_index for i in range(per)} - faulted
 
     def carried_standbys(self, job: Job, gen: Generation) -> dict[tuple[str, int], str]:
         """Slots of `gen` whose survivor is a warm standby that an earlier generation activated through the
@@ -82,7 +82,7 @@ class InPlaceRecovery:
         while (prev := self._previous_in_place(job, later)) is not None:
             for node in set(gen.nodes) & set(prev.nodes):
                 for i in range(per):
-                    sid = prev.standbys.get(str(protocol.rank_of(prev.nodes, node, i, per)))
+                    sid = prev.standbys.get(str(protocol.rank_of(prev.node_index, node, i, per)))
                     if sid is not None:
                         out.setdefault((node, i), sid)
             later = prev
@@ -94,7 +94,7 @@ class InPlaceRecovery:
         if job.kind != "train":
             return []
         prev = self._previous_in_place(job, gen)
-        return list(gen.nodes) if prev is None else [n for n in gen.nodes if n not in prev.nodes]
+        return list(gen.nodes) if prev is None else [n for n in gen.nodes if n not in prev.node_index]
 
     # ---- faults ------------------------------------------------------------------------------------------
     @staticmethod

@@ -317,11 +317,13 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         taken = {n for j in self.records.jobs(ACTIVE) if j.id != job.id for n in j.nodes}
         taken |= {n for g in self.records.generations(open_only=True) if g.job != job.id for n in g.nodes}
         # (a node this job's own resize left is busy too until its workers have exited)
-        live_workers = {w.node for w in self.records.workers() if w.live and (w.job != job.id or w.node not in job.nodes)}
+        live_workers = {w.node for w in self.records.workers()
+                        if w.live and (w.job != job.id or w.node not in job.node_index)}
         ok = [n.name for n in self.store.nodes(include_terminated=False)
               if n.state == S.HEALTHY and not n.is_spare and n.group == job.group_name and n.name not in taken
               and n.name not in live_workers]
-        return [n for n in job.nodes if n in ok], [n for n in ok if n not in job.nodes]
+        usable = set(ok)
+        return [n for n in job.nodes if n in usable], [n for n in ok if n not in job.node_index]
 
     def _choose_nodes(self, job: Job) -> tuple[list[str] | None, str]:
         keep, free = self._usable(job)

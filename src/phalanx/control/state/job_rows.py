@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from functools import cached_property
 from enum import Enum
 from typing import Any
 
@@ -120,6 +121,12 @@ class Job:
     elastic: dict | None = None
     priority: int = 0  # a pending job of higher priority takes nodes from lower-priority elastic jobs
 
+    @cached_property
+    def node_index(self) -> dict[str, int]:
+        """Each node of `nodes` → its position: membership and rank order without scanning the list (a heartbeat
+        asks, at thousands of nodes). Kept with this record, which is read anew after any write."""
+        return {name: i for i, name in enumerate(self.nodes)}
+
     @property
     def replicas(self) -> int | None:
         """An elastic job's replica count now (its current generation's nodes), else None."""
@@ -159,6 +166,11 @@ class Generation:
     first_step_at: float | None
     restored: dict | None  # checkpointless: {"source", "step", "bytes", "seconds", ...} from its rank 0
     standbys: dict  # str(rank) → id of the warm standby worker told to become that rank
+
+    @cached_property
+    def node_index(self) -> dict[str, int]:
+        """Each node of `nodes` → its position (`Job.node_index`)."""
+        return {name: i for i, name in enumerate(self.nodes)}
 
     def public(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
