@@ -184,3 +184,51 @@ def test_a_heartbeat_relays_the_progress_a_tick_read_for_every_rank_until_it_is_
     c.clock.advance(PROGRESS_FRESH_S + 0.01)
     assert relayed("workers-0") == {"0": 5} and reads, "an older read is not relayed: the heartbeat reads its ranks"
     c.close()
+
+
+def test_when_ticks_come_further_apart_a_kept_read_is_relayed_for_their_gap_but_never_past_the_cap(tmp_path):
+    """At thousands of nodes a tick takes tens of ms and the next waits as long (`server/daemon.py`): a read
+    kept by the last tick stays relayed for PROGRESS_FRESH_TICKS of the gap between the last two ticks (so that
+    heartbeats do not all read the store themselves between ticks), never for more than PROGRESS_FRESH_MAX_S."""
+    from phalanx import protocol
+    from phalanx.control.policy.assignments import PROGRESS_FRESH_MAX_S, PROGRESS_FRESH_S, PROGRESS_FRESH_TICKS
+
+    c = FakeCluster(tmp_path, count=2, spares=0).create()
+    job = c.submit(nodes=2)
+    c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
+    c.steps(2)
+    reads: list[list[str]] = []
+    check = c.rendezvous.check
+    c.rendezvous.check = lambda keys: reads.append(list(keys)) or check(keys)
+
+    def relayed() -> int | None:
+        (a,) = [a for a in c.heartbeat(c.agents["workers-0"])["workers"] if a["job"] == job.id]
+        return a["progress"]["0"]["step"]
+
+    def step(n: int) -> None:
+        for rank in (0, 1):
+            c.report_step(job.id, 1, rank, n)
+            c.rendezvous.add(protocol.alive_key(job.id, 1, rank), 1)
+            c.rendezvous.set(protocol.step_time_key(job.id, 1, rank), f"{n} 0.5")
+
+    gap = 0.5
+    assert PROGRESS_FRESH_S < PROGRESS_FRESH_TICKS * gap < PROGRESS_FRESH_MAX_S
+    step(4)
+    c.reconciler.tick()
+    c.clock.advance(gap)
+    c.reconciler.tick()  # two ticks `gap` apart: the second kept every rank's step 4
+    step(5)
+    c.clock.advance(PROGRESS_FRESH_TICKS * gap - 0.05)  # older than PROGRESS_FRESH_S, within the ticks' gap
+    reads.clear()
+    assert relayed() == 4 and reads == [], "a read younger than the ticks' gap is relayed, the store not read"
+    c.clock.advance(0.1)
+    assert relayed() == 5 and reads, "past the ticks' gap the heartbeat reads its ranks"
+
+    c.clock.advance(2.0)
+    c.heartbeat(c.agents["workers-1"])
+    c.reconciler.tick()  # ticks 2 s apart (a stalled controller): the kept read still ages out at the cap
+    step(6)
+    c.clock.advance(PROGRESS_FRESH_MAX_S + 0.05)
+    reads.clear()
+    assert relayed() == 6 and reads, "never relayed past PROGRESS_FRESH_MAX_S"
+    c.close()

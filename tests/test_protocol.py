@@ -16,6 +16,10 @@ def test_rank_of_is_node_order_times_slots_plus_local_rank():
     assert [protocol.rank_of(nodes, n, i, 2) for n in nodes for i in range(2)] == list(range(6))
     with pytest.raises(ValueError):
         protocol.rank_of(nodes, "z", 0, 2)
+    index = {n: i for i, n in enumerate(nodes)}  # the controller's lookup (Job/Generation.node_index): same ranks
+    assert [protocol.rank_of(index, n, i, 2) for n in nodes for i in range(2)] == list(range(6))
+    with pytest.raises(KeyError):
+        protocol.rank_of(index, "z", 0, 2)
 
 
 @pytest.mark.parametrize("theirs, words", [

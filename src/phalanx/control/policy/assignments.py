@@ -23,7 +23,9 @@ J, S = JobState, NodeState
 FAST_POLL_S = 0.05  # a hurried agent's heartbeat period (next_heartbeat_s)...
 FAST_POLL_PER_S = 1000.0  # ...stretched so a generation's nodes send at most this many heartbeats a second
 HURRY_S = 10.0  # hurry at most this long after a generation ended or started
-PROGRESS_FRESH_S = 0.3  # a heartbeat relays its ranks' progress as a tick read it for every rank, if this recent
+PROGRESS_FRESH_S = 0.3  # a heartbeat relays its ranks' progress as a tick read it for every rank, if this recent...
+PROGRESS_FRESH_TICKS = 1.5  # ...or, when ticks come further apart (thousands of nodes), within this many of their gaps
+PROGRESS_FRESH_MAX_S = 1.0  # (never older: an agent's hang rule times the steps it is told of)
 
 
 class Assignments:
@@ -156,14 +158,21 @@ class Assignments:
 
         `keep`: a tick reads every rank of the generation at once (`_check_running`) and keeps what it read; a
         heartbeat within PROGRESS_FRESH_S relays that instead of reading the store itself (its round trips to the
-        store, under the scheduler's lock, were most of a running job's heartbeat at a thousand nodes).
+        store, under the scheduler's lock, were most of a running job's heartbeat at a thousand nodes), or within
+        PROGRESS_FRESH_TICKS gaps between the last two ticks when they were further apart: at 4,096 nodes
+        a tick takes tens of ms and the next waits as long, and every heartbeat then read the store itself.
         `batched_only`: two round trips or nothing (`protocol.read_progress`'s all_or_none): before every rank has
         reported, a tick reads none and the heartbeats read their own ranks, as they did."""
         if self.read_progress is None:
             return {}, False
         kept = self._progress_kept.get(job.id)
-        if not keep and kept is not None and kept[0] == gen.generation and \
-                self.clock() - kept[1] < PROGRESS_FRESH_S and all(r in kept[2] for r in ranks):
+        if keep:  # (each tick's read, kept or not: the gap between ticks is what a kept read must outlive)
+            now, last = self.clock(), self._progress_ticks.get(job.id)
+            self._progress_ticks[job.id] = now
+            gap = now - last if last is not None else 0.0
+        fresh_s = min(PROGRESS_FRESH_MAX_S, max(PROGRESS_FRESH_S, PROGRESS_FRESH_TICKS * kept[4])) if kept else 0.0
+        if not keep and kept is not None and kept[0] == gen.generation and self.clock() - kept[1] < fresh_s \
+                and all(r in kept[2] for r in ranks):
             if not kept[3]:  # (the tick could not read every rank's step time: the straggler input, read here)
                 self._note_step_times(job, gen, ranks)
             return {r: kept[2][r] for r in ranks}, True
@@ -184,7 +193,7 @@ class Assignments:
         times = self._note_step_times(job, gen, ranks, all_or_none=batched_only)  # the straggler rule's input
         self.records.record_steps(job.id, gen.generation, {r: (progress.get(r) or {}).get("step") for r in ranks})
         if keep:
-            self._progress_kept[job.id] = (gen.generation, self.clock(), progress, times)
+            self._progress_kept[job.id] = (gen.generation, self.clock(), progress, times, gap)
         return progress, True
 
     def _publish(self, job: Job, gen: Generation) -> None:

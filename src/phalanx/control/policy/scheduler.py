@@ -71,7 +71,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         self.jobs_root = jobs_root
         self.read_progress = read_progress
         # job → (generation, read at, rank → progress, step times read too): a tick's read of every rank
-        self._progress_kept: dict[str, tuple[int, float, dict, bool]] = {}
+        self._progress_kept: dict[str, tuple[int, float, dict, bool, float]] = {}  # (`_progress`)
+        self._progress_ticks: dict[str, float] = {}  # job → when a tick last read its ranks' progress
         self.store_addr = store_addr
         self.controller_id = controller_id  # agents restart their hang clocks when this changes
         self.rendezvous = rendezvous  # the controller's TCPStore (checkpointless generations, warm standbys)
@@ -91,6 +92,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
             running = self.records.jobs((J.RUNNING,))
             for job_id in set(self._progress_kept) - {job.id for job in running}:
                 del self._progress_kept[job_id]
+            for job_id in set(self._progress_ticks) - {job.id for job in running}:
+                del self._progress_ticks[job_id]
             for job in running:
                 gen = self.records.generation(job.id, job.generation)
                 if gen is not None and gen.stop_at is None:
