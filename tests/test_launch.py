@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import tiny_config
@@ -134,3 +135,24 @@ def test_the_template_reports_how_a_worker_ended_and_one_it_never_saw_end_counts
     assert template.proc.returncode is not None
     # its template gone, a worker that is gone too ended unseen: counted as killed, not as running forever
     assert template.exit_code(2**22 + 1) == -signal.SIGKILL
+
+
+def test_a_fork_the_template_does_not_answer_in_time_is_given_up_and_killed_if_it_comes_late(tmp_path, monkeypatch):
+    """The launcher execs a rank whose fork went unanswered (`FORK_TIMEOUT_S`); the template gets no more requests,
+    and a late answer's worker is killed, so the rank never runs twice."""
+    import phalanx.train.forked as forked
+
+    template = Template.start()
+    try:
+        monkeypatch.setattr(forked, "FORK_TIMEOUT_S", 0.0)  # (the answer comes after the launcher stopped waiting)
+        env = {**os.environ, "PHALANX_CONFIG": str(tmp_path / "missing.yaml"), "RANK": "0", "WORLD_SIZE": "1"}
+        with pytest.raises(forked.TemplateError, match="did not answer"):
+            template.fork([sys.executable, "-m", "phalanx.worker"], env, str(tmp_path))
+        with template.cond:  # the late answer: its worker killed as soon as it is read
+            assert template.cond.wait_for(lambda: len(template.exits) == 1, 30), template.exits
+            (code,) = template.exits.values()
+        assert code == -signal.SIGKILL
+        with pytest.raises(forked.TemplateError, match="stopped answering"):  # the rest of the ranks are exec'd
+            template.fork([sys.executable, "-m", "phalanx.worker"], env, str(tmp_path))
+    finally:
+        template.close()

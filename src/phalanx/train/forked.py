@@ -39,6 +39,8 @@ class Template:
         self.ready = False
         self.drained = False  # its output ended: every exit it reported is in `exits`
         self.closed = False
+        self.broken = False  # a fork went unanswered: no more requests (the launcher execs the rest)
+        self.abandoned: set[int] = set()  # requests given up on
         self.replies: dict[int, dict] = {}
         self.exits: dict[int, int] = {}
         self._seq = 0
@@ -88,6 +90,12 @@ class Template:
                     self.exits[msg["exited"]] = msg["code"]
                 elif "ready" in msg:
                     self.ready = True
+                elif "id" in msg and msg["id"] in self.abandoned:
+                    if "pid" in msg:  # forked after the launcher gave up on it and exec'd the rank
+                        try:
+                            os.kill(msg["pid"], signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
                 elif "id" in msg:
                     self.replies[msg["id"]] = msg
                 self.cond.notify_all()
@@ -99,6 +107,8 @@ class Template:
         """A worker running `argv` (`python -m phalanx.worker`) with exactly `env`, in `cwd`, its stdout the
         launcher's."""
         with self.cond:
+            if self.broken:
+                raise TemplateError("the worker template stopped answering")
             self._seq += 1
             rid = self._seq
         request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd, "stdout_fd": self.stdout_fd}
@@ -109,8 +119,13 @@ class Template:
         with self.cond:
             self.cond.wait_for(lambda: rid in self.replies or self.drained, FORK_TIMEOUT_S)
             reply = self.replies.pop(rid, None)
-        if reply is None or "error" in reply:
-            raise TemplateError(reply["error"] if reply else "the worker template did not answer")
+            if reply is None:  # the launcher execs this rank: a late fork of it is killed (`_read`), none follows
+                self.abandoned.add(rid)
+                self.broken = True
+        if reply is None:
+            raise TemplateError(f"the worker template did not answer within {FORK_TIMEOUT_S:g} s")
+        if "error" in reply:
+            raise TemplateError(reply["error"])
         return ForkedWorker(self, reply["pid"], argv)
 
     def exit_code(self, pid: int, wait_s: float = 0.0) -> int | None:
