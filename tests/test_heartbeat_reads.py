@@ -27,6 +27,19 @@ def past_jobs(c: FakeCluster, n: int) -> None:
         records.transition(past.id, JobState.CANCELLED, "a past job")
 
 
+def running_job_with_store_reads(tmp_path):
+    """A fake cluster of 2 nodes running a job of one rank each, and the list every store check it makes appends
+    its keys to."""
+    c = FakeCluster(tmp_path, count=2, spares=0).create()
+    job = c.submit(nodes=2)
+    c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
+    c.steps(2)
+    reads: list[list[str]] = []
+    check = c.rendezvous.check
+    c.rendezvous.check = lambda keys: reads.append(list(keys)) or check(keys)
+    return c, job, reads
+
+
 def test_a_steady_heartbeat_scans_no_growing_table_reads_no_job_and_writes_nothing(tmp_path):
     c = FakeCluster(tmp_path, count=2, spares=1).create()
     past_jobs(c, 20)
@@ -151,13 +164,7 @@ def test_a_heartbeat_relays_the_progress_a_tick_read_for_every_rank_until_it_is_
     from phalanx import protocol
     from phalanx.control.policy.assignments import PROGRESS_FRESH_S
 
-    c = FakeCluster(tmp_path, count=2, spares=0).create()
-    job = c.submit(nodes=2)
-    c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
-    c.steps(2)
-    reads: list[list[str]] = []
-    check = c.rendezvous.check
-    c.rendezvous.check = lambda keys: reads.append(list(keys)) or check(keys)
+    c, job, reads = running_job_with_store_reads(tmp_path)
 
     def relayed(name: str) -> dict[str, int | None]:
         (a,) = [a for a in c.heartbeat(c.agents[name])["workers"] if a["job"] == job.id]
@@ -193,13 +200,7 @@ def test_when_ticks_come_further_apart_a_kept_read_is_relayed_for_their_gap_but_
     from phalanx import protocol
     from phalanx.control.policy.assignments import PROGRESS_FRESH_MAX_S, PROGRESS_FRESH_S, PROGRESS_FRESH_TICKS
 
-    c = FakeCluster(tmp_path, count=2, spares=0).create()
-    job = c.submit(nodes=2)
-    c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
-    c.steps(2)
-    reads: list[list[str]] = []
-    check = c.rendezvous.check
-    c.rendezvous.check = lambda keys: reads.append(list(keys)) or check(keys)
+    c, job, reads = running_job_with_store_reads(tmp_path)
 
     def relayed() -> int | None:
         (a,) = [a for a in c.heartbeat(c.agents["workers-0"])["workers"] if a["job"] == job.id]

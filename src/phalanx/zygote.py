@@ -31,6 +31,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from typing import NoReturn
@@ -201,6 +202,43 @@ def _fork(request: dict, wakeup: tuple[int, int]) -> None:
     if pid == 0:
         _become_worker(request, wakeup)
     _send({"id": request.get("id"), "pid": pid})
+
+
+# ---- the requester's side: a forked worker as the agent (`control/agent/template.py`) or the launcher
+# (`train/forked.py`) holds it ----------------------------------------------------------------------------------
+class ForkedChild:
+    """A worker this template forked, held by whoever asked for it: what they call on a `subprocess.Popen`
+    (pid, args, returncode, poll, wait). `_exit_code()` says how it ended (from the template's reports), None while
+    it runs."""
+
+    pid: int
+    args: list[str]
+    returncode: int | None = None
+
+    def _exit_code(self) -> int | None:
+        raise NotImplementedError
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._exit_code()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def running(pid: int) -> bool:
+    """`pid` is alive and not a zombie (a zombie has ended: its template reaps it and reports how)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def main() -> int:

@@ -21,7 +21,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
+
+from phalanx.zygote import ForkedChild, running  # (its module level is the standard library)
 
 READY_TIMEOUT_S = 120.0  # the template's imports (a cold page cache on a network filesystem can take a while)
 FORK_TIMEOUT_S = 10.0
@@ -133,13 +134,13 @@ class Template:
         with self.cond:
             if pid in self.exits:
                 return self.exits[pid]
-            if _running(pid):
+            if running(pid):
                 return None
             self.cond.wait_for(lambda: pid in self.exits or self.drained, wait_s)
             if pid in self.exits:
                 return self.exits[pid]
             # gone, and its template ended without a word about it (killed): nobody saw how it ended
-            return -signal.SIGKILL if self.drained and not _running(pid) else None
+            return -signal.SIGKILL if self.drained and not running(pid) else None
 
     def close(self) -> None:
         """End the template: its stdin closes, and it exits (SIGKILL after 2 s; at once while it imports, when it
@@ -160,25 +161,15 @@ class Template:
             pass
 
 
-class ForkedWorker:
+class ForkedWorker(ForkedChild):
     """A worker forked by the template: what the launcher calls on a `subprocess.Popen`."""
 
     def __init__(self, template: Template, pid: int, argv: list[str]):
         self.template, self.pid, self.args = template, pid, argv
-        self.returncode: int | None = None
+        self.returncode = None
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.template.exit_code(self.pid, REPORT_WAIT_S)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
+    def _exit_code(self) -> int | None:
+        return self.template.exit_code(self.pid, REPORT_WAIT_S)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -193,11 +184,3 @@ class ForkedWorker:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a zombie has ended: its template reaps it and reports how)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

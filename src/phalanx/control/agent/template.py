@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from phalanx.control.agent.slurm_allocation import ignoring_usr2
-from phalanx.zygote import FORKABLE  # (its module level is the standard library: torch loads only in `preload`)
+from phalanx.zygote import FORKABLE, ForkedChild, running  # (its module level is the standard library: torch loads only in `preload`)
 
 log = logging.getLogger("phalanx.agent.template")
 
@@ -57,36 +57,18 @@ def forkable(argv: list[str]) -> bool:
         os.path.realpath(argv[0]) == os.path.realpath(sys.executable)
 
 
-class ForkedProcess:
+class ForkedProcess(ForkedChild):
     """A worker forked by the template: what the supervisor calls on a `subprocess.Popen`."""
 
     def __init__(self, template: "WorkerTemplate", source: subprocess.Popen, pid: int):
         self.template = template
         self.source = source  # the template process that forked it (the one that reports its exit)
         self.pid = pid
-        self.returncode: int | None = None
+        self.returncode = None
         self.args = ["(forked from the worker template)"]
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.template.exit_code(self.source, self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    def _exit_code(self) -> int | None:
+        return self.template.exit_code(self.source, self.pid)
 
 
 class WorkerTemplate:
@@ -228,7 +210,7 @@ class WorkerTemplate:
         with self.cond:
             if pid in self.exits:
                 return self.exits.pop(pid)
-            if not getattr(source, "drained", False) or _alive(pid):
+            if not getattr(source, "drained", False) or running(pid):
                 return None  # its template will report its exit (or, gone, it still runs)
         return -signal.SIGKILL  # its template died before it, and it is gone: nobody saw how it ended
 

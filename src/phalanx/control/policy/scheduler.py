@@ -90,10 +90,9 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
     def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:
         with self.lock:
             running = self.records.jobs((J.RUNNING,))
-            for job_id in set(self._progress_kept) - {job.id for job in running}:
-                del self._progress_kept[job_id]
-            for job_id in set(self._progress_ticks) - {job.id for job in running}:
-                del self._progress_ticks[job_id]
+            for per_job in (self._progress_kept, self._progress_ticks):
+                for job_id in set(per_job) - {job.id for job in running}:
+                    del per_job[job_id]
             for job in running:
                 gen = self.records.generation(job.id, job.generation)
                 if gen is not None and gen.stop_at is None:
