@@ -173,9 +173,8 @@ def test_an_agent_that_kills_a_hung_worker_writes_a_hang_event_to_the_run(tmp_pa
     from phalanx.control.agent.supervisor import Worker, WorkerSupervisor
 
     sup = WorkerSupervisor("workers-1", "t", hang_timeout_s=2.0, wake=lambda: None)
-    sup.relay_up = True
-    sup.apply([Assignment(job="4", generation=2, cwd=str(tmp_path), checkpoint_dir="run/ckpt")],
-              relay_gap=False)  # (a relative checkpoint_dir is the job's cwd's)
+    sup.apply([Assignment(job="4", generation=2, cwd=str(tmp_path), checkpoint_dir="run/ckpt")])  # (a relative
+    #                                                                   checkpoint_dir is the job's cwd's)
     now = time.monotonic()
     proc = subprocess.Popen(["sleep", "30"], process_group=0)
     w = Worker("4", 2, 1, 0, pid=proc.pid, started_at=time.time(), proc=proc, last_step=5, last_beat=9,

@@ -103,8 +103,9 @@ def test_every_reader_of_the_controllers_store_sees_a_job_write_at_once(tmp_path
 
 def test_a_running_jobs_heartbeat_reads_no_worker_row_while_its_workers_and_steps_go_on(tmp_path):
     """The controller keeps what a heartbeat compares in memory: the worker reports its node sent last (unchanged:
-    nothing to compare) and the running generation's rows (its ranks' steps written through). Before, every
-    heartbeat of a running job read its node's rows twice (benchmarks/heartbeat_cost.py at 1,024 nodes)."""
+    nothing to compare) and the running generation's rows (its ranks' steps, read by the ticks, written through).
+    Before, every heartbeat of a running job read its node's rows twice (benchmarks/heartbeat_cost.py at 1,024
+    nodes)."""
     c = FakeCluster(tmp_path, count=2, spares=0).create()
     job = c.submit(nodes=2)
     c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
@@ -118,6 +119,7 @@ def test_a_running_jobs_heartbeat_reads_no_worker_row_while_its_workers_and_step
             c.heartbeat(agent)
         c.store._db.set_trace_callback(None)
         assert not [s for s in statements if "from workers" in s.lower()], statements
+        c.reconciler.tick()  # (the steps are the tick's to read: `_read_steps`)
         assert [w.step for w in c.jobs.records._select_workers(job=job.id, generation=1)] == [step, step]
     c.close()
 
@@ -158,78 +160,30 @@ def test_the_generation_rows_the_controller_keeps_are_sqlites_after_every_write(
     c.close()
 
 
-def test_a_heartbeat_relays_the_progress_a_tick_read_for_every_rank_until_it_is_older_than_progress_fresh_s(tmp_path):
-    """A tick reads every rank's progress of a running generation at once (two round trips to the store) and keeps
-    it; a heartbeat within PROGRESS_FRESH_S relays that without a read of its own, later it reads its ranks'."""
+def test_a_running_jobs_heartbeat_reads_nothing_from_the_store_and_a_tick_reads_every_ranks_step_at_once(tmp_path):
+    """Protocol 6: a reply carries no progress (each agent's hang rule reads its workers' on its node), so a
+    heartbeat reads nothing from the rendezvous store, however its job runs. The job's step comes from the tick,
+    which reads every rank's step of a running generation in one check and one multi_get, and their step times
+    in one more; nothing while a rank has not published its step (a job still starting)."""
     from phalanx import protocol
-    from phalanx.control.policy.assignments import PROGRESS_FRESH_S
 
     c, job, reads = running_job_with_store_reads(tmp_path)
-
-    def relayed(name: str) -> dict[str, int | None]:
-        (a,) = [a for a in c.heartbeat(c.agents[name])["workers"] if a["job"] == job.id]
-        return {rank: p["step"] for rank, p in a["progress"].items()}
-
-    c.report_step(job.id, 1, 0, 3)  # rank 0 only: the tick reads nothing, each heartbeat its own ranks
+    c.report_step(job.id, 1, 0, 3)  # rank 0 only: the tick's check of both ranks' steps fails, nothing more
     c.reconciler.tick()
-    assert len(reads) == 1 and len(reads[0]) == 4, reads  # one check of both ranks' keys, not one per key
-    reads.clear()
-    assert relayed("workers-0") == {"0": 3} and reads, "no rank's progress kept: the heartbeat reads its own"
+    assert reads == [[protocol.progress_key(job.id, 1, 0), protocol.progress_key(job.id, 1, 1)]], reads
+    for name in ("workers-0", "workers-1"):
+        (a,) = [a for a in c.heartbeat(c.agents[name])["workers"] if a["job"] == job.id]
+        assert "progress" not in a and "hang_detection" not in a, a
+    assert len(reads) == 1, f"a heartbeat read the store: {reads[1:]}"
     reads.clear()
     for rank in (0, 1):
         c.report_step(job.id, 1, rank, 4)
-        c.rendezvous.add(protocol.alive_key(job.id, 1, rank), 1)  # (its liveness beat, as a worker's thread adds)
         c.rendezvous.set(protocol.step_time_key(job.id, 1, rank), "4 0.5")
     c.reconciler.tick()
-    assert [len(keys) for keys in reads] == [4, 2], reads  # every rank's keys: one check for progress, one for times
+    assert [len(keys) for keys in reads] == [2, 2], reads  # every rank's step in one check, their times in one
+    assert c.job(job.id).last_step == 4
     reads.clear()
-    assert relayed("workers-0") == {"0": 4} and relayed("workers-1") == {"1": 4}
-    assert reads == [], "a heartbeat read the store though a tick had just read every rank"
-    for rank in (0, 1):
-        c.report_step(job.id, 1, rank, 5)
-    assert relayed("workers-0") == {"0": 4}, "the kept progress is relayed while it is fresh"
-    c.clock.advance(PROGRESS_FRESH_S + 0.01)
-    assert relayed("workers-0") == {"0": 5} and reads, "an older read is not relayed: the heartbeat reads its ranks"
-    c.close()
-
-
-def test_when_ticks_come_further_apart_a_kept_read_is_relayed_for_their_gap_but_never_past_the_cap(tmp_path):
-    """At thousands of nodes a tick takes tens of ms and the next waits as long (`server/daemon.py`): a read
-    kept by the last tick stays relayed for PROGRESS_FRESH_TICKS of the gap between the last two ticks (so that
-    heartbeats do not all read the store themselves between ticks), never for more than PROGRESS_FRESH_MAX_S."""
-    from phalanx import protocol
-    from phalanx.control.policy.assignments import PROGRESS_FRESH_MAX_S, PROGRESS_FRESH_S, PROGRESS_FRESH_TICKS
-
-    c, job, reads = running_job_with_store_reads(tmp_path)
-
-    def relayed() -> int | None:
-        (a,) = [a for a in c.heartbeat(c.agents["workers-0"])["workers"] if a["job"] == job.id]
-        return a["progress"]["0"]["step"]
-
-    def step(n: int) -> None:
-        for rank in (0, 1):
-            c.report_step(job.id, 1, rank, n)
-            c.rendezvous.add(protocol.alive_key(job.id, 1, rank), 1)
-            c.rendezvous.set(protocol.step_time_key(job.id, 1, rank), f"{n} 0.5")
-
-    gap = 0.5
-    assert PROGRESS_FRESH_S < PROGRESS_FRESH_TICKS * gap < PROGRESS_FRESH_MAX_S
-    step(4)
-    c.reconciler.tick()
-    c.clock.advance(gap)
-    c.reconciler.tick()  # two ticks `gap` apart: the second kept every rank's step 4
-    step(5)
-    c.clock.advance(PROGRESS_FRESH_TICKS * gap - 0.05)  # older than PROGRESS_FRESH_S, within the ticks' gap
-    reads.clear()
-    assert relayed() == 4 and reads == [], "a read younger than the ticks' gap is relayed, the store not read"
-    c.clock.advance(0.1)
-    assert relayed() == 5 and reads, "past the ticks' gap the heartbeat reads its ranks"
-
-    c.clock.advance(2.0)
-    c.heartbeat(c.agents["workers-1"])
-    c.reconciler.tick()  # ticks 2 s apart (a stalled controller): the kept read still ages out at the cap
-    step(6)
-    c.clock.advance(PROGRESS_FRESH_MAX_S + 0.05)
-    reads.clear()
-    assert relayed() == 6 and reads, "never relayed past PROGRESS_FRESH_MAX_S"
+    for name in ("workers-0", "workers-1"):
+        c.heartbeat(c.agents[name])
+    assert reads == [], "a heartbeat read the store"
     c.close()

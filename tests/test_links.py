@@ -194,3 +194,22 @@ def test_steady_agents_beat_on_their_links_instead_of_full_heartbeats_and_stay_h
     for n in client.nodes():
         assert n["state"] == "healthy", n
         assert now - n["last_heartbeat"] < 1.5, (n["name"], now - n["last_heartbeat"])
+
+
+def test_a_passing_health_checks_time_and_details_are_no_news_a_failing_check_always_is():
+    """An agent sends a full heartbeat only with news (`agent/link.py: news`). A health check every
+    `check_interval_s` (5 s) whose checks all pass differs from the last only in its time and details (the disk's
+    free MiB): no news, or every agent would send a full heartbeat every check. A failing check is news at every
+    check: the controller counts a job-restart failure only when checked after the job's generation started."""
+    from phalanx.control.agent.link import news
+
+    def body(checked_at: float, free_mb: int, status: str = "pass") -> dict:
+        checks = [{"name": "host.disk", "status": status, "detail": f"{free_mb} MiB free", "action": None},
+                  {"name": "host.memory", "status": "pass", "detail": "ok", "action": None}]
+        return {"phase": "ready", "workers": [], "sent_at": checked_at, "free_ports": [free_mb],
+                "health": {"ok": True, "checked_at": checked_at, "checks": checks}}
+
+    assert news(body(1.0, 500)) == news(body(6.0, 499))
+    assert news(body(1.0, 500)) != news(body(6.0, 500, status="fail"))
+    assert news(body(1.0, 500, status="fail")) != news(body(6.0, 500, status="fail"))
+    assert news(body(1.0, 500)) != {**news(body(1.0, 500)), "phase": "configuring"}

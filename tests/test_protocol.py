@@ -53,18 +53,20 @@ def test_a_heartbeat_with_an_unknown_field_is_refused_naming_it():
 def test_a_reply_carries_typed_assignments_and_refuses_a_malformed_one():
     reply = {"sent_at": 1.0, "controller": 2.0, "action": "run", "standby": 1,
              "workers": [{"job": "7", "generation": 2, "world_size": 2, "local_world_size": 1,
-                          "ranks": [{"rank": 1, "local_rank": 0, "carry": True}],
-                          "progress": {"1": {"step": 5, "beat": 9}}},
+                          "ranks": [{"rank": 1, "local_rank": 0, "carry": True}]},
                          {"job": "8", "generation": 3, "hold": True}]}
     parsed = HeartbeatReply.model_validate(reply)
     assert parsed.protocol == protocol.PROTOCOL_VERSION
-    assert parsed.workers[0].ranks[0].carry and parsed.workers[0].progress["1"].step == 5
+    assert parsed.workers[0].ranks[0].carry
     assert parsed.workers[1].hold and parsed.workers[1].ranks == []
     bad = {**reply, "workers": [{"job": "7", "generation": "two"}]}
     with pytest.raises(ValidationError, match="generation"):
         HeartbeatReply.model_validate(bad)
     with pytest.raises(ValidationError, match="action"):
         HeartbeatReply.model_validate({**reply, "action": "dance"})
+    relayed = {**reply, "workers": [{**reply["workers"][0], "progress": {"1": {"step": 5, "beat": 9}}}]}
+    with pytest.raises(ValidationError, match="progress"):  # (protocol 5 relayed it; 6 reads it on the node)
+        HeartbeatReply.model_validate(relayed)
 
 
 def test_a_worker_started_by_an_agent_of_another_version_refuses_to_report():

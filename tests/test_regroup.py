@@ -429,10 +429,10 @@ def test_the_agent_adopts_a_standby_a_failed_generation_activated_as_the_survivo
     try:
         sup.standbys[0] = Standby("sb-1", 0, proc)
         # generation 2 activated the standby and failed before this agent heard of it; the controller's hold
-        sup.apply([Assignment(job="7", generation=2, hold=True)], relay_gap=False, standby=0)
+        sup.apply([Assignment(job="7", generation=2, hold=True)], standby=0)
         assert 0 in sup.standbys and proc.poll() is None, "a held job's node keeps its standbys"
         # generation 3 counts on the slot's survivor: the activated standby
-        sup.apply([_assignment(tmp_path, 3, standby="sb-1", carry=True)], relay_gap=False, standby=0)
+        sup.apply([_assignment(tmp_path, 3, standby="sb-1", carry=True)], standby=0)
         (w,) = sup.workers.values()
         assert (w.pid, w.generation, w.state) == (proc.pid, 3, "running") and not sup.standbys
     finally:
@@ -447,7 +447,7 @@ def test_an_activated_standby_that_died_is_reported_as_the_generations_fault(tmp
     proc = subprocess.Popen(["sh", "-c", "kill -9 $$"])
     proc.wait()
     sup.standbys[0] = Standby("sb-1", 0, proc)
-    sup.apply([_assignment(tmp_path, 3, standby="sb-1", carry=True)], relay_gap=False, standby=0)
+    sup.apply([_assignment(tmp_path, 3, standby="sb-1", carry=True)], standby=0)
     (w,) = sup.workers.values()
     assert (w.pid, w.state, w.exit_code) == (proc.pid, "exited", -9), w
     (report,) = sup.report()

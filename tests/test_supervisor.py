@@ -78,7 +78,7 @@ def supervisor(template) -> WorkerSupervisor:
 def test_a_worker_due_while_the_template_imports_is_forked_from_it_once_ready(tmp_path):
     template = StandInTemplate()
     sup = supervisor(template)
-    sup.apply([assignment(tmp_path)], relay_gap=False)
+    sup.apply([assignment(tmp_path)])
     (w,) = sup.workers.values()
     assert (w.pid, w.proc, w.state) == (None, None, "running") and template.hurried == 1
     assert sup.report()[0]["pid"] is None and not (tmp_path / "logs" / "rank1.log").exists()
@@ -97,15 +97,15 @@ def test_a_worker_due_while_the_template_imports_is_forked_from_it_once_ready(tm
 def test_a_worker_stopped_while_it_waits_was_never_started_and_one_of_a_newer_generation_waits_afresh(tmp_path):
     template = StandInTemplate()
     sup = supervisor(template)
-    sup.apply([assignment(tmp_path, generation=1)], relay_gap=False)
+    sup.apply([assignment(tmp_path, generation=1)])
     # a newer generation counts on the survivor of slot 0: one that never started cannot carry the old env over
-    sup.apply([assignment(tmp_path, generation=2, carry=True)], relay_gap=False)
+    sup.apply([assignment(tmp_path, generation=2, carry=True)])
     old, new = sup.workers[("1", 1, 1)], sup.workers[("1", 2, 1)]
     assert old is not new and new.launch is not None
     assert (old.state, old.stopped, old.exit_code, old.pid) == ("exited", True, -signal.SIGTERM, None)
     assert "stopped before it started" in old.detail
 
-    sup.apply([], relay_gap=False)
+    sup.apply([])
     assert (new.state, new.stopped) == ("exited", True)
     template.ready = True
     sup.poll()
@@ -118,7 +118,7 @@ def test_a_worker_whose_template_never_becomes_ready_is_execd(tmp_path, monkeypa
     if why == "the wait ran out":
         monkeypatch.setattr(supervisor_module, "WAIT_S", 0.0)
     sup = supervisor(template)
-    sup.apply([assignment(tmp_path)], relay_gap=False)
+    sup.apply([assignment(tmp_path)])
     (w,) = sup.workers.values()
     if why == "the template died":
         sup.poll()
@@ -139,7 +139,7 @@ def test_with_the_real_template_a_worker_due_during_its_import_is_forked_and_the
     template.start()
     sup = supervisor(template)
     try:
-        sup.apply([assignment(tmp_path)], relay_gap=False)
+        sup.apply([assignment(tmp_path)])
         (w,) = sup.workers.values()
         assert w.launch is not None, "the template was still importing torch"
         started = time.monotonic()
@@ -163,7 +163,7 @@ def test_a_worker_killed_for_a_hang_and_then_stopped_by_the_controller_reports_t
                last_step=5, last_beat=9, last_change=now - 70.0, last_beat_change=now - 70.0)
     sup.workers[("1", 1, 1)] = w
     sup._judge_hang(w, now)
-    sup.apply([], relay_gap=False)  # no longer assigned, before the kill's exit was noticed
+    sup.apply([])  # no longer assigned, before the kill's exit was noticed
     wait_for(lambda: (sup.poll(), w.state == "exited")[1], 10, "the exit to be noticed")
     (report,) = sup.report()
     assert (report["stopped"], report["exit_code"], report["frozen"]) == (False, -signal.SIGKILL, True)

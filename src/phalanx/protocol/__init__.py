@@ -17,6 +17,7 @@ An agent starts each worker with the usual torch variables plus Phalanx's own:
                                                      `python -m phalanx.worker` runs
     PHALANX_NODE                                     the node this worker runs on
     PHALANX_RECOVERY                                 restart | checkpointless (the job's recovery mode)
+    PHALANX_PROGRESS_FILE                            where the worker writes its progress for its agent
 
 Workers talk back only through keys in the controller's TCPStore, all under the generation's prefix
 `{job}/gen{g}/` (the prefix a worker would pass to `PrefixStore`), so a new generation never sees an old
@@ -36,9 +37,10 @@ when a checkpoint is asked for (`phalanx job checkpoint`, Slurm's warning before
 reporter reads it in the round trip it makes anyway; the step every rank has seen it in (the flag rides on the
 step's loss all-reduce, no collective of its own) ends with a checkpoint.
 
-The controller reads both and relays them to the agents' hang detectors, which tell a frozen worker (no
-progress, no beat: the culprit) from one waiting on it (no progress, beat going); `job describe` shows the
-step.
+The controller reads them for the job's step (`job describe`) and the straggler rule. The agent's hang rule
+reads the same step and a beat of its own from a file each worker writes on its node (`PHALANX_PROGRESS_FILE`,
+set by the agent; "<generation> <step> <beat>"), and tells a frozen worker (no progress, no beat:
+the culprit) from one waiting on it (no progress, beat going) without the controller.
 
 Checkpointless jobs (`PHALANX_RECOVERY=checkpointless`) keep their processes across generations, so they
 also need to learn of a new generation without being restarted, and to rendezvous on a store that outlives
@@ -85,11 +87,13 @@ and `read_progress` import torch.distributed when used.
 # the contract in one flat namespace: `from phalanx import protocol` then `protocol.RANK`, `protocol.rank_of`
 from phalanx.protocol.env import (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, JOB_ID,
     GENERATION, STORE_ADDR, CHECKPOINT_DIR, CLUSTER_TOKEN, CONFIG, NODE, STANDBY_ID, RECOVERY, CHECKPOINTLESS,
-    TRAIN_WORKER_MODULE, NODE_HANDLE, ACTIVATED_AT, EXIT_STUCK, rank_of, WorkerPlacement, worker_env, parse_store_addr)
+    TRAIN_WORKER_MODULE, NODE_HANDLE, ACTIVATED_AT, PROGRESS_FILE, EXIT_STUCK, rank_of, WorkerPlacement, worker_env,
+    parse_store_addr)
 from phalanx.protocol.keys import (generation_prefix, progress_key, alive_key, generation_key, layout_key,
     pg_prefix, joined_key, recovered_key, left_key, finished_key, standby_key, standby_warm_key, publish_generation,
     read_progress, step_time_key, read_step_times, checkpoint_request_key)
 from phalanx.protocol.store import (store_namespace, namespaced, listen_socket, serve_store, connect_store,
     env_rendezvous_store, standby_assignment, open_standby_assignment)
-from phalanx.protocol.progress import (BEAT_S, EXIT_FLUSH_S, ProgressReporter, progress_reporter)
+from phalanx.protocol.progress import (BEAT_S, EXIT_FLUSH_S, ProgressReporter, progress_reporter, read_local,
+    write_local)
 from phalanx.protocol.version import (PROTOCOL_VERSION, PROTOCOL_ENV, ProtocolMismatch, check_version)

@@ -31,6 +31,7 @@ RECOVERY = "PHALANX_RECOVERY"
 CHECKPOINTLESS = "checkpointless"
 TRAIN_WORKER_MODULE = "phalanx.worker"  # what a training job's agents run (`python -m`)
 NODE_HANDLE = "PHALANX_NODE_HANDLE"  # set by a backend that names its agents itself; the agent reports it
+PROGRESS_FILE = "PHALANX_PROGRESS_FILE"  # set by the agent: where the worker writes its progress for it
 ACTIVATED_AT = "PHALANX_ACTIVATED_AT"  # a warm standby's activation time (epoch seconds), for its recovery marks
 # A checkpointless worker's exit code when it gave up on a generation it could not leave: a newer one was
 # published, yet its main thread stayed blocked in the old one's group creation (gloo connecting to a peer that

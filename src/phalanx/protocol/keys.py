@@ -108,17 +108,20 @@ def _read(store, keys: list[str], all_or_none: bool) -> list[bytes | None] | Non
     return [store.get(key) if store.check([key]) else None for key in keys]
 
 
-def read_progress(store, job_id: str, generation: int, ranks: list[int], *,
-                  all_or_none: bool = False) -> dict[int, dict] | None:
-    """Controller side: rank → {"step": last reported step, "beat": liveness counter} (None before the first
-    report). `store`: a TCPStore. `all_or_none`: None unless every rank reported both (see `_read`)."""
+def read_progress(store, job_id: str, generation: int, ranks: list[int], *, all_or_none: bool = False,
+                  beats: bool = True) -> dict[int, dict] | None:
+    """Rank → {"step": last reported step, "beat": liveness counter} (None before the first report); without
+    `beats`, {"step"} only (the controller's tick: the beats are its agents' business, read on their nodes).
+    `store`: a TCPStore. `all_or_none`: None unless every rank reported what is read (see `_read`)."""
+    per = 2 if beats else 1
     keys = [key for rank in ranks for key in (progress_key(job_id, generation, rank), alive_key(job_id, generation,
-                                                                                                 rank))]
+                                                                                                 rank))[:per]]
     raw = _read(store, keys, all_or_none)
     if raw is None:
         return None
     values = [int(v) if v is not None else None for v in raw]
-    return {rank: {"step": values[2 * i], "beat": values[2 * i + 1]} for i, rank in enumerate(ranks)}
+    return {rank: {"step": values[per * i], **({"beat": values[per * i + 1]} if beats else {})}
+            for i, rank in enumerate(ranks)}
 
 
 def read_step_times(store, job_id: str, generation: int, ranks: list[int], *,

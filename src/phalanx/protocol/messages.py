@@ -28,9 +28,10 @@ LINK_BEAT_S = 5.0
 # interval in which the agent sends no full heartbeat (it counts as one: `last_heartbeat`).
 LINK_BEAT, LINK_POKE = b".", b"!"
 # An agent whose link is open sends a full heartbeat only when its report changed, when poked, while its reply
-# asks for heartbeats sooner, and at least this often (a quarter of hang_timeout_s when that is shorter: the
-# progress its hang rule judges comes in the replies).
-FULL_HEARTBEAT_MAX_S = 5.0
+# asks for heartbeats sooner, and at least this often (jittered down to half of it): what it carries then that a
+# beat does not is its free ports (`join.free_ports`), and a reply that a lost poke would have brought sooner.
+# Nothing else depends on it since protocol 6: the hang rule reads its workers' progress on the node.
+FULL_HEARTBEAT_MAX_S = 20.0
 
 
 class _Message(BaseModel):
@@ -109,11 +110,6 @@ class RankSlot(_Message):
     carry: bool = False  # checkpointless: the survivor on this slot serves the new generation
 
 
-class Progress(_Message):
-    step: int | None = None
-    beat: int | None = None
-
-
 class Assignment(_Message):
     """One generation of one job on the node. A checkpointless job between generations is `hold`: its
     survivors wait in their processes (no ranks)."""
@@ -134,8 +130,6 @@ class Assignment(_Message):
     store_addr: str | None = None
     checkpoint_dir: str | None = None
     config_path: str | None = None
-    progress: dict[str, Progress] = {}  # rank → what the agent's hang rule judges
-    hang_detection: bool = True
 
 
 class DeepCheckPart(_Message):
@@ -156,7 +150,7 @@ class HeartbeatReply(_Message):
 
     protocol: int = PROTOCOL_VERSION
     sent_at: float
-    controller: float  # the controller process's start time: agents restart their hang clocks on a change
+    controller: float  # the controller process's start time (which controller answered)
     action: Literal["run", "terminate"]
     reason: str | None = None
     state: str | None = None

@@ -4,7 +4,12 @@ survives a store outage (a controller restart recreates the store empty on the s
 re-publishing, and moves to a new generation's keys when a checkpointless worker regroups (`switch`). In the same
 round trip it reads the controller's checkpoint request (`checkpoint_request_key`): `pending_checkpoint()`.
 
-Must not know: how the controller judges hangs (the agent's hang rule reads what this publishes).
+For the worker's own agent, a second thread writes the same step and a beat of its own to a small file on the
+node (`PHALANX_PROGRESS_FILE`, a path its agent chose: `write_local`/`read_local`): the agent's hang rule reads
+it there, not through the controller, so it judges whatever the network and the controller do, and a heartbeat
+carries no progress.
+
+Must not know: how the agent judges hangs (`control/agent/hang.py` reads what this writes).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import time
 from datetime import timedelta
 from typing import Mapping
 
-from phalanx.protocol.env import CLUSTER_TOKEN, GENERATION, JOB_ID, RANK, STORE_ADDR, parse_store_addr
+from phalanx.protocol.env import (CLUSTER_TOKEN, GENERATION, JOB_ID, PROGRESS_FILE, RANK, STORE_ADDR,
+                                  parse_store_addr)
 from phalanx.protocol.keys import alive_key, checkpoint_request_key, progress_key, step_time_key
 from phalanx.protocol.store import connect_store
 from phalanx.protocol.version import PROTOCOL_ENV, check_version
@@ -24,6 +30,25 @@ from phalanx.protocol.version import PROTOCOL_ENV, check_version
 BEAT_S = 0.5  # how often a worker's reporter bumps its liveness counter
 EXIT_FLUSH_S = 5.0  # at most this long, at a worker's exit, for the store to take its last step (`flush`)
 log = logging.getLogger("phalanx.progress")
+
+
+def write_local(path: str | os.PathLike, generation: int, step: int | None, beat: int) -> None:
+    """The worker's progress for its agent: "<generation> <step or -> <beat>", replaced whole (a reader never
+    sees half of it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{generation} {'-' if step is None else step} {beat}\n")
+    os.replace(tmp, path)
+
+
+def read_local(path: str | os.PathLike) -> tuple[int, int | None, int] | None:
+    """Agent side: (generation, step or None, beat) a worker wrote (`write_local`); None while it wrote none."""
+    try:
+        with open(path) as f:
+            generation, step, beat = f.read().split()
+        return int(generation), None if step == "-" else int(step), int(beat)
+    except (OSError, ValueError):  # not written yet, or the worker is gone and its agent removed it
+        return None
 
 
 class ProgressReporter:
@@ -35,7 +60,8 @@ class ProgressReporter:
     """
 
     def __init__(self, store_addr: str, job_id: str, generation: int, rank: int, *, beat_s: float = BEAT_S,
-                 retry_s: float = 1.0, timeout_s: float = 2.0, token: str | None = None):
+                 retry_s: float = 1.0, timeout_s: float = 2.0, token: str | None = None,
+                 local_path: str | os.PathLike | None = None):
         self.host, self.port = parse_store_addr(store_addr)
         self.store_addr, self.token = store_addr, token  # token: keys under the cluster's namespace
         self.job_id = job_id
@@ -54,14 +80,18 @@ class ProgressReporter:
         self._published: int | None = None  # the newest step the store has (for `flush`)
         self._published_version = 0  # the keys `_published` went to (for `switch`)
         self._closed = False
+        self._generation = generation
         self._cond = threading.Condition()
         threading.Thread(target=self._publish_loop, name="phalanx-progress", daemon=True).start()
+        if local_path is not None:  # (its own thread: the agent hears this worker beat whatever the store does)
+            threading.Thread(target=self._local_loop, args=(local_path,), name="phalanx-progress-local",
+                             daemon=True).start()
 
     def close(self) -> None:
         """Stop publishing (a worker process simply exits; this is for long-lived callers and tests)."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) until the newest reported step is in the store: a worker calls it before
@@ -79,10 +109,11 @@ class ProgressReporter:
             self.beat_key = alive_key(self.job_id, generation, rank)
             self.time_key = step_time_key(self.job_id, generation, rank)
             self.request_key = checkpoint_request_key(self.job_id, generation)
+            self._generation = generation
             self._seconds = None  # a time measured in the old generation is not one of the new
             self._keys_version += 1
             version = self._keys_version
-            self._cond.notify()
+            self._cond.notify_all()
             return self._cond.wait_for(lambda: self._published_version == version or self._closed, timeout=wait_s)
 
     def report(self, step: int, seconds: float | None = None) -> None:
@@ -91,7 +122,7 @@ class ProgressReporter:
         with self._cond:
             if step != self._step:
                 self._step, self._seconds = step, seconds
-                self._cond.notify()
+                self._cond.notify_all()
 
     def pending_checkpoint(self) -> int:
         """The newest checkpoint request the controller made and no checkpoint was taken for yet (0: none)."""
@@ -102,6 +133,26 @@ class ProgressReporter:
         """A checkpoint was taken after `request` was read: it, and every request before it, is served."""
         with self._cond:
             self._served = max(self._served, request)
+
+    def _local_loop(self, path: str) -> None:
+        """The step at once, a beat every `beat_s`, into `path` (the agent's hang rule reads it)."""
+        beat, failing = 0, False
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                step, generation = self._step, self._generation
+            beat += 1
+            try:
+                write_local(path, generation, step, beat)
+                failing = False
+            except OSError as err:  # (its agent judges this worker's silence; said once, not every beat)
+                if not failing:
+                    log.warning("cannot write progress for this worker's agent to %s: %s", path, err)
+                failing = True
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._step != step or self._generation != generation,
+                                    timeout=self.beat_s)
 
     def _connect(self):
         return connect_store(self.store_addr, self.token, self.timeout)
@@ -156,4 +207,4 @@ def progress_reporter(env: Mapping[str, str] | None = None) -> ProgressReporter 
         return None
     check_version(env.get(PROTOCOL_ENV), f"the agent that started this worker ({PROTOCOL_ENV})")
     return ProgressReporter(env[STORE_ADDR], env[JOB_ID], int(env[GENERATION]), int(env[RANK]),
-                            token=env.get(CLUSTER_TOKEN))
+                            token=env.get(CLUSTER_TOKEN), local_path=env.get(PROGRESS_FILE) or None)

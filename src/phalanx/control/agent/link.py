@@ -33,8 +33,16 @@ BEAT_CHUNK = b"%x\r\n%s\r\n" % (len(LINK_BEAT), LINK_BEAT)  # one chunk of the r
 
 def news(body: dict) -> dict:
     """What a heartbeat's body tells the controller that the previous one may not have: not its timestamps, nor the
-    free ports it lists (the full heartbeat every `full_every` keeps those fresh enough)."""
-    return {k: v for k, v in body.items() if k not in ("sent_at", "reply_sent_at", "free_ports")}
+    free ports it lists, nor when its health was checked and the details of checks that all pass (a detail such
+    as the disk's free MiB changes at nearly every check, every `check_interval_s`): the full heartbeat every
+    `full_every` keeps those fresh enough. A failing check is news at every check: the controller counts a
+    job-restart failure only when it was checked after the job's generation started."""
+    said = {k: v for k, v in body.items() if k not in ("sent_at", "reply_sent_at", "free_ports")}
+    health = body.get("health")
+    if health and not any(c.get("status") == "fail" for c in health.get("checks") or []):
+        said["health"] = {"ok": health.get("ok"), "checks": [(c.get("name"), c.get("status"), c.get("action"))
+                                                             for c in health.get("checks") or []]}
+    return said
 
 
 class Link(threading.Thread):

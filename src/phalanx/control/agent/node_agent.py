@@ -9,7 +9,7 @@ It brings its node up and keeps reporting on it:
   3. runs the health checks (`phalanx.control.agent.health`) now and then every `check_interval_s`.
 
 The controller answers each heartbeat with what it wants: keep running, or terminate; the workers this
-node must run (job assignments, with each rank's relayed progress); and injected faults (`fail-health`
+node must run (job assignments); and injected faults (`fail-health`
 makes the next check report a failure, the same path a real failure takes). `WorkerSupervisor`
 (`workers.py`) starts and stops the workers, kills hung ones, and every heartbeat reports each worker's
 state and exit code; a worker's exit wakes the heartbeat loop, so it reaches the controller at once.
@@ -111,10 +111,9 @@ class Agent:
                                         work_dir=self.work_dir, store_addr=self.store_addr, template=self.template)
         self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)
         self.next_heartbeat_s: float | None = None  # the last reply's request to come back sooner
-        self.controller_id: float | None = None  # start time of the controller that sent it
-        self.relay_gap = True  # progress relay may have missed something: restart the hang clocks
+        self.unheard = True  # the last heartbeat got no reply: the next is full (the controller may have missed news)
         # with its link open, a full heartbeat only on news, when poked, while hurried, and at least this often
-        self.full_every = max(self.interval, min(FULL_HEARTBEAT_MAX_S, float(cfg["hang_timeout_s"]) / 4))
+        self.full_every = max(self.interval, FULL_HEARTBEAT_MAX_S)
         self.poke = threading.Event()  # the controller has news for this node (`link.py`)
         self._full_at, self._said = float("-inf"), None  # the last full heartbeat answered, and what it said
 
@@ -236,20 +235,19 @@ class Agent:
 
     def _beat_will_do(self, body: dict, hurried: bool) -> bool:
         """Whether a beat on the link says all this heartbeat would: nothing reported changed since the last
-        full heartbeat, no poke, no hurry, no gap in the relay, and that one is recent (`full_every`)."""
-        return not (hurried or self.relay_gap or self.poke.is_set()) and news(body) == self._said \
+        full heartbeat, no poke, no hurry, no reply missed since, and that one is recent (`full_every`)."""
+        return not (hurried or self.unheard or self.poke.is_set()) and news(body) == self._said \
             and time.monotonic() < self._full_at + self.full_every
 
     def handle_reply(self, reply: dict, body: dict) -> None:
         check_version(reply.get("protocol"), "the controller")
         reply = HeartbeatReply.model_validate(reply)
-        gap = self.relay_gap or reply.controller != self.controller_id
-        self.relay_gap, self.controller_id = False, reply.controller
+        self.unheard = False
         if reply.action != "terminate":
             if self.template is not None and reply.state == "healthy":
                 # torch imported now, not earlier: it would compete with the lifecycle script and the deep check
                 self.template.start()
-            self.workers.apply(reply.workers, relay_gap=gap, standby=reply.standby)
+            self.workers.apply(reply.workers, standby=reply.standby)
             self.deep.apply(reply.deep_check)
         self.workers.acknowledged(body["workers"])
         self.reply_sent_at = reply.sent_at
@@ -307,8 +305,7 @@ class Agent:
                 # (the next one unprompted within 1/2–1 × full_every: a poke to every agent must not leave them in step)
                 self._full_at, self._said = time.monotonic() - random.random() * self.full_every / 2, news(body)
             except ControllerUnreachable as err:
-                self.relay_gap = True
-                self.workers.relay_down()
+                self.unheard = True
                 if down_since is None:
                     down_since = time.monotonic()
                     log.warning("controller unreachable (%s); node and workers keep running, retrying every %g s",
@@ -319,8 +316,7 @@ class Agent:
                 self.exit_reason = f"cannot work with this controller: {err}"
                 break
             except ApiError as err:
-                self.relay_gap = True
-                self.workers.relay_down()
+                self.unheard = True
                 if err.status == 409 and "protocol version" in str(err.detail):
                     self.exit_reason = f"the controller refuses this agent: {err.detail}"
                     break

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from phalanx import protocol
 from phalanx.protocol.messages import Assignment, RankSlot
-from phalanx.control.agent.worker import STOP_GRACE_S, Worker, signal_group
+from phalanx.control.agent.worker import STOP_GRACE_S, Worker, forget_progress, signal_group
 
 log = logging.getLogger("phalanx.agent.workers")
 
@@ -49,7 +49,8 @@ class StandbyPool:
             return None
         del self.standbys[r.local_rank]
         w = Worker(a.job, a.generation, r.rank, r.local_rank, pid=sb.proc.pid, started_at=time.time(),
-                   proc=sb.proc, log_path=Path(a.log_dir) / f"rank{r.rank}.log", last_change=time.monotonic())
+                   proc=sb.proc, log_path=Path(a.log_dir) / f"rank{r.rank}.log", last_change=time.monotonic(),
+                   progress_file=self._standby_progress(sb.id))
         w.log_path.parent.mkdir(parents=True, exist_ok=True)
         if code is not None:
             self._exited(w, code)
@@ -64,6 +65,10 @@ class StandbyPool:
                  a.world_size, w.job, w.generation)
         return w
 
+    def _standby_progress(self, sid: str) -> Path:
+        """Where standby `sid` writes its progress once activated (`protocol.PROGRESS_FILE`)."""
+        return self.progress_dir / f"standby.{sid}"
+
     def _keep_standbys(self, wanted: int, stop_extra: bool = True) -> None:
         """Keep `wanted` standby processes (slots 0..wanted-1); stop the rest (if `stop_extra`). Called under
         the lock."""
@@ -71,6 +76,7 @@ class StandbyPool:
             if sb.proc.poll() is not None:
                 log.warning("warm standby %s exited with %s; next: start another if still wanted", sb.id,
                             sb.proc.returncode)
+                forget_progress(self._standby_progress(sb.id))
                 del self.standbys[slot]
             elif slot >= wanted and stop_extra:
                 signal_group(sb.proc.pid, signal.SIGTERM)
@@ -91,7 +97,8 @@ class StandbyPool:
             self._standby_seq += 1
             sid = f"{self.node}.{slot}.{os.getpid()}.{self._standby_seq}"
             env = {**os.environ, protocol.STORE_ADDR: addr, protocol.NODE: self.node, protocol.LOCAL_RANK: str(slot),
-                   protocol.STANDBY_ID: sid, protocol.CLUSTER_TOKEN: self.token}
+                   protocol.STANDBY_ID: sid, protocol.CLUSTER_TOKEN: self.token,
+                   protocol.PROGRESS_FILE: str(self._standby_progress(sid))}
             log_path = self.work_dir / f"standby-{slot}.log"
             with open(log_path, "ab") as out:
                 proc, how = self._spawn([sys.executable, "-m", protocol.TRAIN_WORKER_MODULE, "--standby"], env,

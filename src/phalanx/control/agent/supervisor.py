@@ -2,15 +2,17 @@
 notice exits and hangs, and report them.
 
 An *assignment* (in a heartbeat reply) is one generation of one job on this node:
-`protocol.messages.Assignment` (job, generation, argv, env, the rendezvous, its `ranks` as `RankSlot`s, the
-`progress` the hang rule judges), validated by the agent when the reply arrives.
+`protocol.messages.Assignment` (job, generation, argv, env, the rendezvous, its `ranks` as `RankSlot`s),
+validated by the agent when the reply arrives.
 
 Workers are started with `protocol.worker_env`, each in a process group of its own (a stop reaches its
 children) inside the node's session (killing the node kills them too). Output goes to LOG_DIR/rank{R}.log,
 appended across generations, with a header and a footer line per run. A worker the controller stops gets
 SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
 
-Hang detection is `hang.py`'s rule; warm standbys are `standby.py`'s pool (both mixed in here). A hung
+Hang detection is `hang.py`'s rule, on the progress each worker writes for its agent in this node's progress dir
+(`PHALANX_PROGRESS_FILE`, one file per process started, `protocol.read_local`), read at every `poll`; warm
+standbys are `standby.py`'s pool (both mixed in here). A hung
 worker it kills is also a `hang` event (source "agent:<node>") in the run's events.jsonl (the assignment's
 checkpoint_dir; phalanx.observability.run_events), beside the controller's own record of the hang.
 
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,8 +38,8 @@ from phalanx.control.agent.hang import judge_hang
 from phalanx.control.agent.slurm_allocation import ignoring_usr2
 from phalanx.control.agent.standby import Standby, StandbyPool
 from phalanx.control.agent.template import WAIT_S, TemplateUnavailable, WorkerTemplate, forkable, on_this_host
-from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, own_process_group,
-                                          signal_group)
+from phalanx.control.agent.worker import (STOP_GRACE_S, Worker, describe_exit, forget_progress,
+                                          own_process_group, signal_group)
 from phalanx.observability.events import EventKind, EventLog
 from phalanx.observability.run_events import RunEventFiles, job_run_dir
 
@@ -55,57 +59,34 @@ class WorkerSupervisor(StandbyPool):
         self.workers: dict[tuple[str, int, int], Worker] = {}
         self.desired: set[tuple[str, int]] = set()
         self.held: set[str] = set()  # checkpointless jobs between generations: keep their workers as they are
-        self.relay_up = False  # progress relayed by the controller's latest reply (hang checks run only then)
         self.work_dir = work_dir
+        # where each worker writes its progress: the hang rule's input, on this node (an earlier agent's go)
+        self.progress_dir = work_dir / "progress" if work_dir is not None else Path(tempfile.mkdtemp(
+            prefix="phalanx-progress-"))
+        shutil.rmtree(self.progress_dir, ignore_errors=True)
+        self.progress_dir.mkdir(parents=True, exist_ok=True)
         self.store_addr = store_addr  # the controller's store (standbys wait on it)
         self.standbys: dict[int, Standby] = {}
         self._standby_seq = 0
         self.run_dirs: dict[str, Path] = {}  # job → its run dir (checkpoint_dir), from its assignments
         self.events = EventLog(f"agent:{node}", [RunEventFiles(self.run_dirs.get, what="the agent's events")])
 
-    def relay_down(self) -> None:
-        """The controller did not answer: stop judging hangs until its next reply (which restarts the clocks)."""
-        with self.lock:
-            self.relay_up = False
-
     # ---- what the controller wants (called with each heartbeat reply) ---------------------------------
-    def apply(self, assignments: list[Assignment], *, relay_gap: bool, standby: int = 0) -> None:
+    def apply(self, assignments: list[Assignment], *, standby: int = 0) -> None:
         now = time.monotonic()
         with self.lock:
-            relay_gap = relay_gap or not self.relay_up
-            self.relay_up = True
             self.held = {a.job for a in assignments if a.hold}
             assignments = [a for a in assignments if not a.hold]
             self.desired = {(a.job, a.generation) for a in assignments}
             for a in assignments:  # (a job's run dir never changes: recorded once, not at every reply)
                 if a.checkpoint_dir and a.job not in self.run_dirs:
                     self.run_dirs[a.job] = job_run_dir(a.cwd, a.checkpoint_dir)
-            for w in self.workers.values():  # waiting for the next generation on purpose: not a hang
-                if w.job in self.held and w.state == "running":
-                    w.last_change = w.last_beat_change = now
             for a in assignments:
                 for r in a.ranks:
                     key = (a.job, a.generation, r.rank)
-                    w = self.workers.get(key)
-                    if w is None:
+                    if key not in self.workers:
                         w = self._carry(a, r) if a.recovery == protocol.CHECKPOINTLESS else None
                         self.workers[key] = w or self._adopt(a, r) or self._start(a, r.rank, r.local_rank)
-                        continue
-                    if w.state != "running":
-                        continue
-                    w.hang_detection = a.hang_detection
-                    if relay_gap:
-                        w.last_change = w.last_beat_change = now
-                        w.beat_since_gap = False
-                    seen = a.progress.get(str(w.rank))
-                    if seen is None:
-                        continue
-                    if seen.step is not None and seen.step != w.last_step:
-                        w.last_step, w.last_change = seen.step, now
-                    if seen.beat is not None:
-                        w.beat_since_gap = True
-                        if seen.beat != w.last_beat:
-                            w.last_beat, w.last_beat_change = seen.beat, now
             for w in self.workers.values():
                 if w.assignment not in self.desired and w.job not in self.held and w.state == "running":
                     self._stop(w, now)
@@ -160,7 +141,9 @@ class WorkerSupervisor(StandbyPool):
         )
         env = protocol.worker_env(placement, base={**os.environ, **a.env})
         w = Worker(a.job, a.generation, rank, local_rank, pid=None, started_at=time.time(),
-                   log_path=Path(a.log_dir) / f"rank{rank}.log", last_change=time.monotonic())
+                   log_path=Path(a.log_dir) / f"rank{rank}.log", last_change=time.monotonic(),
+                   progress_file=self.progress_dir / f"{a.job}.{a.generation}.{rank}")
+        env[protocol.PROGRESS_FILE] = str(w.progress_file)  # (named per process: a survivor keeps its own)
         argv = on_this_host(a.argv)
         if self.template is not None and forkable(argv) and self.template.importing():
             w.launch = (argv, env, a.cwd, time.monotonic() + WAIT_S)  # started by `poll` once the template is ready
@@ -249,9 +232,8 @@ class WorkerSupervisor(StandbyPool):
                 if code is not None:
                     self._exited(w, code)
                     exited = True
-                elif w.state == "running" and self.relay_up and w.hang_detection and not w.hang \
-                        and (w.last_step is not None or w.last_beat is not None):
-                    self._judge_hang(w, now)
+                elif w.state == "running" and not w.hang:
+                    self._watch(w, now)
                 elif w.state == "stopping" and not w.killed_after_grace and now - w.stop_sent_at > STOP_GRACE_S:
                     log.warning("worker rank %d of job %s (pid %d) still running %.0f s after SIGTERM; next: SIGKILL",
                                 w.rank, w.job, w.pid, STOP_GRACE_S)
@@ -259,6 +241,24 @@ class WorkerSupervisor(StandbyPool):
                     signal_group(w.pid, signal.SIGKILL)
         if exited:
             self.wake()
+
+    def _watch(self, w: Worker, now: float) -> None:
+        """The worker's progress as it wrote it (`protocol.read_local`): a new step or beat is noted when seen, then
+        the hang rule judges. A worker that wrote none (a program that reports no progress) is not judged; one
+        whose job holds this node between generations waits on purpose (not a hang); a survivor that has not
+        moved to the new generation yet has no step in it (regrouping)."""
+        if w.job in self.held:
+            w.last_change = w.last_beat_change = now
+            return
+        seen = protocol.read_local(w.progress_file) if w.progress_file is not None else None
+        if seen is None:
+            return
+        generation, step, beat = seen
+        if generation == w.generation and step is not None and step != w.last_step:
+            w.last_step, w.last_change = step, now
+        if beat != w.last_beat:
+            w.last_beat, w.last_beat_change = beat, now
+        self._judge_hang(w, now)
 
     def _judge_hang(self, w: Worker, now: float) -> None:
         verdict = judge_hang(w, now, self.hang_timeout_s)
@@ -273,6 +273,7 @@ class WorkerSupervisor(StandbyPool):
 
     def _exited(self, w: Worker, code: int) -> None:
         w.state, w.exit_code, w.ended_at = "exited", code, time.time()
+        forget_progress(w.progress_file)
         w.detail = describe_exit(code)
         try:
             with open(w.log_path, "ab") as out:

@@ -1,4 +1,4 @@
-"""One worker process as its agent sees it (`Worker`: pid, state, exit, the relayed progress its hang rule
+"""One worker process as its agent sees it (`Worker`: pid, state, exit, the progress its hang rule
 judges, what the heartbeat reports), and the process-group helpers the supervisor and the standby pool
 share: every worker runs in a process group of its own, so a stop reaches its children.
 
@@ -32,6 +32,13 @@ def own_process_group() -> dict:
     return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
 
 
+def forget_progress(path: Path | None) -> None:
+    """A worker ended: the progress file it wrote for its agent goes (`protocol.write_local`'s, and its temp)."""
+    if path is not None:
+        for p in (path, path.with_name(path.name + ".tmp")):
+            p.unlink(missing_ok=True)
+
+
 def signal_group(pid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pid, sig)
@@ -57,14 +64,12 @@ class Worker:
     stop_sent_at: float | None = None  # monotonic
     killed_after_grace: bool = False
     ended_at: float | None = None
-    last_step: int | None = None  # relayed progress
-    last_change: float = 0.0  # monotonic time the relayed progress last changed (or the clock restarted)
-    last_beat: int | None = None  # relayed liveness counter
+    progress_file: Path | None = None  # where it writes its progress for this agent (`protocol.PROGRESS_FILE`)
+    last_step: int | None = None  # the last step it wrote there (`protocol.read_local`)
+    last_change: float = 0.0  # monotonic time its step last changed (or the clock restarted)
+    last_beat: int | None = None  # its liveness counter, as last read
     last_beat_change: float = 0.0
-    beat_since_gap: bool = True  # a beat was relayed since the relay's last gap (a restarted controller's store
-    #                              is empty until this worker's reporter reconnects and re-publishes)
     frozen: bool = False  # hung with its liveness beat stopped too
-    hang_detection: bool = True
     reported_exit: bool = False  # a heartbeat carrying its exit was answered
     carried_from: list | None = None  # checkpointless: [generation, rank] this process served before
     launch: tuple | None = None  # (argv, env, cwd, deadline) of a worker not started yet: it waits for the node's

@@ -1,6 +1,6 @@
 """Assignments: what each node's agent should run, told in its heartbeat reply, and what its agent reports
 back. `ingest()` records the agent's worker reports; `assignments()` builds the node's part of each running
-generation (ranks, env, the progress its hang rule judges); `_publish()` writes a checkpointless
+generation (ranks, env); `_read_steps()` reads the ranks' steps at each tick; `_publish()` writes a checkpointless
 generation's layout and the warm standbys' signed assignments to the rendezvous store.
 
 Part of `JobScheduler` (a mixin over its store, records and rendezvous). Must not know: fault policy (the
@@ -16,16 +16,13 @@ from phalanx import protocol
 from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobState
 from phalanx.control.state.store import Node, NodeState
 from phalanx.observability.events import EventKind as E
-from phalanx.protocol.messages import Assignment, Progress, RankSlot, WorkerReport
+from phalanx.protocol.messages import Assignment, RankSlot, WorkerReport
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
 FAST_POLL_S = 0.05  # a hurried agent's heartbeat period (next_heartbeat_s)...
 FAST_POLL_PER_S = 1000.0  # ...stretched so a generation's nodes send at most this many heartbeats a second
 HURRY_S = 10.0  # hurry at most this long after a generation ended or started
-PROGRESS_FRESH_S = 0.3  # a heartbeat relays its ranks' progress as a tick read it for every rank, if this recent...
-PROGRESS_FRESH_TICKS = 1.5  # ...or, when ticks come further apart (thousands of nodes), within this many of their gaps
-PROGRESS_FRESH_MAX_S = 1.0  # (never older: an agent's hang rule times the steps it is told of)
 
 
 class Assignments:
@@ -100,15 +97,13 @@ class Assignments:
                 ranks = [RankSlot(rank=first + i, local_rank=i,
                                   standby=gen.standbys.get(str(first + i)) or carried.get((node.name, i)),
                                   carry=(node.name, i) in survivors) for i in range(per)]
-                progress, relayed = self._progress(job, gen, [r.rank for r in ranks])
                 out.append(Assignment(
                     recovery=job.recovery, job=job.id, generation=gen.generation, argv=job.argv, cwd=job.cwd,
                     env=self._worker_env(job), log_dir=str(Path(job.job_dir) / "logs"), world_size=job.world_size,
                     local_world_size=per, master_addr=gen.master_addr, master_port=gen.master_port,
                     store_addr=gen.store_addr or "", checkpoint_dir=job.checkpoint_dir,
                     config_path=str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,
-                    ranks=ranks, progress={str(k): Progress(**v) for k, v in progress.items()},
-                    hang_detection=relayed))
+                    ranks=ranks))
             return sent_at, out, self.standby_wanted(node)
 
     def next_heartbeat_s(self, node: Node, now: float) -> float | None:
@@ -152,49 +147,31 @@ class Assignments:
         env.update(job.env)
         return env
 
-    def _progress(self, job: Job, gen: Generation, ranks: list[int], *, keep: bool = False,
-                  batched_only: bool = False) -> tuple[dict[int, dict], bool]:
-        """Each rank's {"step", "beat"}, and whether they can be relied on (False: agents' hang checks off).
-
-        `keep`: a tick reads every rank of the generation at once (`_check_running`) and keeps what it read; a
-        heartbeat within PROGRESS_FRESH_S relays that instead of reading the store itself (its round trips to the
-        store, under the scheduler's lock, were most of a running job's heartbeat at a thousand nodes), or within
-        PROGRESS_FRESH_TICKS gaps between the last two ticks when they were further apart: at 4,096 nodes
-        a tick takes tens of ms and the next waits as long, and every heartbeat then read the store itself.
-        `batched_only`: two round trips or nothing (`protocol.read_progress`'s all_or_none): before every rank has
-        reported, a tick reads none and the heartbeats read their own ranks, as they did."""
+    def _read_steps(self, job: Job, gen: Generation, ranks: list[int], *, all_or_none: bool) -> bool:
+        """A tick's read of every rank's last step (`protocol.read_progress`: two round trips to the store, however
+        many ranks) into their worker rows, where `_track_progress` finds the job's step, and of their step times
+        (the straggler rule's input). `all_or_none`: nothing is read until every rank has published its step (a
+        job still starting): a read of every rank must not cost a round trip per rank. The agents' hang rules
+        do not depend on it: each reads its own workers' progress on its node. True when steps were recorded."""
         if self.read_progress is None:
-            return {}, False
-        kept = self._progress_kept.get(job.id)
-        if keep:  # (each tick's read, kept or not: the gap between ticks is what a kept read must outlive)
-            now, last = self.clock(), self._progress_ticks.get(job.id)
-            self._progress_ticks[job.id] = now
-            gap = now - last if last is not None else 0.0
-        fresh_s = min(PROGRESS_FRESH_MAX_S, max(PROGRESS_FRESH_S, PROGRESS_FRESH_TICKS * kept[4])) if kept else 0.0
-        if not keep and kept is not None and kept[0] == gen.generation and self.clock() - kept[1] < fresh_s \
-                and all(r in kept[2] for r in ranks):
-            if not kept[3]:  # (the tick could not read every rank's step time: the straggler input, read here)
-                self._note_step_times(job, gen, ranks)
-            return {r: kept[2][r] for r in ranks}, True
+            return False
         if gen.store_addr != self.store_addr():
             self._say(f"store:{job.id}:{gen.generation}", f"job {job.id}: the rendezvous store moved from "
-                      f"{gen.store_addr} to {self.store_addr()} (controller restart, old port taken); hang detection "
-                      f"is off for generation {gen.generation}, next: back on from the next generation")
-            return {}, False
+                      f"{gen.store_addr} to {self.store_addr()} (controller restart, old port taken); the job's step "
+                      f"is not tracked for generation {gen.generation}, next: tracked again from the next generation")
+            return False
         try:
-            progress = self.read_progress(job.id, gen.generation, ranks, all_or_none=batched_only)
+            progress = self.read_progress(job.id, gen.generation, ranks, all_or_none=all_or_none)
         except RuntimeError as err:  # torch's store errors
-            self._say(f"read:{job.id}", f"job {job.id}: cannot read progress from the rendezvous store ({err}); "
-                                        f"hang detection paused, next: retrying at the next heartbeat")
-            return {}, False
+            self._say(f"read:{job.id}", f"job {job.id}: cannot read progress from the rendezvous store ({err}); the "
+                                        f"job's step is not tracked meanwhile, next: retrying at the next tick")
+            return False
         self._said.pop(f"read:{job.id}", None)
-        if progress is None:  # (batched_only, and not every rank reported yet)
-            return {}, False
-        times = self._note_step_times(job, gen, ranks, all_or_none=batched_only)  # the straggler rule's input
+        if progress is None:  # (all_or_none, and not every rank reported yet)
+            return False
+        self._note_step_times(job, gen, ranks, all_or_none=all_or_none)
         self.records.record_steps(job.id, gen.generation, {r: (progress.get(r) or {}).get("step") for r in ranks})
-        if keep:
-            self._progress_kept[job.id] = (gen.generation, self.clock(), progress, times, gap)
-        return progress, True
+        return True
 
     def _publish(self, job: Job, gen: Generation) -> None:
         """Store keys of a new generation: the layout and number (checkpointless workers watch them), and the

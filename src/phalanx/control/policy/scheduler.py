@@ -70,11 +70,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         self.records = JobRecords(store)
         self.jobs_root = jobs_root
         self.read_progress = read_progress
-        # job → (generation, read at, rank → progress, step times read too): a tick's read of every rank
-        self._progress_kept: dict[str, tuple[int, float, dict, bool, float]] = {}  # (`_progress`)
-        self._progress_ticks: dict[str, float] = {}  # job → when a tick last read its ranks' progress
         self.store_addr = store_addr
-        self.controller_id = controller_id  # agents restart their hang clocks when this changes
+        self.controller_id = controller_id  # (the replies name the controller that answered)
         self.rendezvous = rendezvous  # the controller's TCPStore (checkpointless generations, warm standbys)
         self.token = ""  # the cluster token: workers' env; signs standby assignments (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
@@ -89,11 +86,7 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:
         with self.lock:
-            running = self.records.jobs((J.RUNNING,))
-            for per_job in (self._progress_kept, self._progress_ticks):
-                for job_id in set(per_job) - {job.id for job in running}:
-                    del per_job[job_id]
-            for job in running:
+            for job in self.records.jobs((J.RUNNING,)):
                 gen = self.records.generation(job.id, job.generation)
                 if gen is not None and gen.stop_at is None:
                     self._check_running(job, gen, now, mark_faulty)
@@ -105,11 +98,9 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
     def _check_running(self, job: Job, gen: Generation, now: float, mark_faulty) -> None:
         rows = self.records.workers(job=job.id, generation=gen.generation)
         done = len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows)
-        # every rank's progress, read at once and kept for the heartbeats; done: the last steps reached the store
-        # before each worker exited, maybe after any heartbeat read them
-        self._progress(job, gen, [w.rank for w in rows], keep=True, batched_only=not done)
-        if done:
-            rows = self.records.workers(job=job.id, generation=gen.generation)
+        # every rank's step, read at once; done: the last steps reached the store before each worker exited
+        if self._read_steps(job, gen, [w.rank for w in rows], all_or_none=not done):
+            rows = self.records.workers(job=job.id, generation=gen.generation)  # (with the steps just read)
         self._track_progress(job, gen, rows, now)
         self._judge_stragglers(job, gen, rows, mark_faulty)
         if done:

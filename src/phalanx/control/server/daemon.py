@@ -205,7 +205,8 @@ class Controller:
         self.store_addr = store_addr = f"{connect_host(host)}:{rendezvous.port}"
         self.jobs = JobScheduler(
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
-            read_progress=lambda job, gen, ranks, **how: protocol.read_progress(rendezvous, job, gen, ranks, **how),
+            read_progress=lambda job, gen, ranks, **how: protocol.read_progress(rendezvous, job, gen, ranks,
+                                                                                beats=False, **how),
             controller_id=started_at, rendezvous=rendezvous,
         )
         self.jobs.token = self.token
