@@ -8,7 +8,9 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
 
   ready        first join → the cluster in service (every node healthy)
   heartbeat    round-trip of each heartbeat over a `--window` of steady state: p50 / p99, and the rate
-               actually delivered against N / interval (the simulated agents share the machine's cores)
+               actually delivered against N / interval (the simulated agents share the machine's cores). A
+               heartbeat unanswered twice (REQUEST_TIMEOUT_S each) counts among them with the time it took, and in
+               hb_failed (hb_failed_total: over the whole run); its agent goes on, as a real one does
   cpu          the controller process's CPU seconds per second over that window (1.0 = one core); and the
                simulated agents' (this process: at 1.0 their own loop is late, and so are the latencies it times)
   scrape       GET /metrics, median of 5
@@ -201,6 +203,13 @@ class SimAgent:
                         status, reply = await self.conn.request("POST", f"/v1/nodes/{self.name}/heartbeat", body)
                     except ConnectionAbortedError:
                         break  # killed with a heartbeat in flight
+                    except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+                        # unanswered twice: a real agent logs it and sends a full heartbeat again (never a beat)
+                        # after the interval, as long as it lives; counted, its time among the latencies
+                        self.bench.failed(time.monotonic() - start)
+                        self.said = None
+                        await asyncio.sleep(self.interval)
+                        continue
                     took = time.monotonic() - start
                     self.bench.heartbeat(took)
                     if status != 200 or reply.get("action") == "terminate":
@@ -246,6 +255,14 @@ class Bench:
         self.recording = False
         self.latencies: list[float] = []
         self.beats = 0
+        self.failures = 0  # heartbeats unanswered twice (`Conn.request`), while recording
+        self.failures_total = 0  # over the whole run: the creation, the stop and the detections too
+
+    def failed(self, seconds: float) -> None:
+        self.failures_total += 1
+        if self.recording:
+            self.failures += 1
+            self.latencies.append(seconds)
 
     def heartbeat(self, seconds: float) -> None:
         if self.recording:
@@ -357,14 +374,14 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
 
     await asyncio.sleep(2 * interval)
     bench.latencies.clear()
-    bench.beats, bench.recording = 0, True
+    bench.beats, bench.failures, bench.recording = 0, 0, True
     pokes0 = await loop.run_in_executor(None, pokes, url, token)
     cpu0, own0, t0 = cpu_seconds(pid), time.process_time(), time.monotonic()
     await asyncio.sleep(window)
     cpu1, own1, t1 = cpu_seconds(pid), time.process_time(), time.monotonic()
     bench.recording = False
     idle_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
-    lat, beats = sorted(bench.latencies), bench.beats
+    lat, beats, failures = sorted(bench.latencies), bench.beats, bench.failures
     rate = (len(lat) + beats) / (t1 - t0) / (n / interval)  # (a beat on the link stands for a heartbeat)
 
     scrapes = [(await loop.run_in_executor(None, http_get, f"{url}/metrics", token))[0] for _ in range(5)]
@@ -389,14 +406,14 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     await loop.run_in_executor(None, publish_progress, gen["store_addr"], token, job, gen["generation"], n)
     await asyncio.sleep(2 * interval)
     bench.latencies.clear()
-    bench.beats, bench.recording = 0, True
+    bench.beats, bench.failures, bench.recording = 0, 0, True
     pokes0 = await loop.run_in_executor(None, pokes, url, token)
     busy_cpu0, busy_t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.sleep(window)
     busy_cpu = (cpu_seconds(pid) - busy_cpu0) / (time.monotonic() - busy_t0)
     bench.recording = False
     busy_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
-    busy, busy_beats = sorted(bench.latencies), bench.beats
+    busy, busy_beats, busy_failures = sorted(bench.latencies), bench.beats, bench.failures
 
     def stopped() -> bool:
         """The job's generation ended: every worker confirmed stopped by its agent."""
@@ -452,7 +469,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     for a in agents:
         a.conn.close()
     out = {"nodes": n, "ready_s": round(ready, 3), "heartbeats": len(lat), "beats": beats,
-           "busy_heartbeats": len(busy), "busy_beats": busy_beats, "pokes": idle_pokes, "busy_pokes": busy_pokes,
+           "busy_heartbeats": len(busy), "busy_beats": busy_beats, "hb_failed": failures,
+           "busy_hb_failed": busy_failures, "hb_failed_total": bench.failures_total, "pokes": idle_pokes, "busy_pokes": busy_pokes,
            "hb_p50_ms": round(1000 * lat[len(lat) // 2], 2), "hb_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
            "hb_rate_ratio": round(rate, 3), "cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
            "agents_cpu_cores": round((own1 - own0) / (t1 - t0), 3),
@@ -508,7 +526,7 @@ def main() -> None:
     summary = {f"{k}_{r['nodes']}": r[k] for r in rows if "error" not in r for k in (
         "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "agents_cpu_cores", "scrape_ms",
         "schedule_s", "busy_hb_p50_ms", "busy_hb_p99_ms", "busy_cpu_cores", "stop_s", "detect_s", "detect_excess_s",
-        "detect_gone_s")}
+        "detect_gone_s", "hb_failed", "busy_hb_failed", "hb_failed_total")}
     write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,
                              "command": "PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes "
                                         + " ".join(map(str, args.nodes)) + (

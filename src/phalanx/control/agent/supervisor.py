@@ -68,6 +68,8 @@ class WorkerSupervisor(StandbyPool):
         self.store_addr = store_addr  # the controller's store (standbys wait on it)
         self.standbys: dict[int, Standby] = {}
         self._standby_seq = 0
+        self._standbys_wanted = 0  # as the last reply said (`poll` starts them once the template is ready)
+        self._standbys_kept_at = 0.0  # (monotonic) when `poll` last did: at most once a second
         self.run_dirs: dict[str, Path] = {}  # job → its run dir (checkpoint_dir), from its assignments
         self.events = EventLog(f"agent:{node}", [RunEventFiles(self.run_dirs.get, what="the agent's events")])
 
@@ -92,6 +94,7 @@ class WorkerSupervisor(StandbyPool):
                     self._stop(w, now)
             # while a job holds this node between generations, a standby the failed generation activated may
             # be the survivor the next one counts on (`_adopt`): none is stopped until that generation comes
+            self._standbys_wanted = standby
             self._keep_standbys(standby, stop_extra=not self.held)
 
     def _carry(self, a: Assignment, r: RankSlot) -> Worker | None:
@@ -239,6 +242,12 @@ class WorkerSupervisor(StandbyPool):
                                 w.rank, w.job, w.pid, STOP_GRACE_S)
                     w.killed_after_grace = True
                     signal_group(w.pid, signal.SIGKILL)
+            # standbys wait for the node's template (`_keep_standbys`): started once it is ready, not at the next
+            # reply, which a steady agent gets only every FULL_HEARTBEAT_MAX_S or so
+            if len(self.standbys) < self._standbys_wanted and self.template is not None and self.template.ready \
+                    and now - self._standbys_kept_at >= 1.0:
+                self._standbys_kept_at = now
+                self._keep_standbys(self._standbys_wanted, stop_extra=not self.held)
         if exited:
             self.wake()
 

@@ -9,7 +9,7 @@ anything else gets 401.
                                         the reply names the node and carries its settings and lifecycle script
     POST   /v1/nodes/{name}/heartbeat   agent → controller: phase, lifecycle result, health, its workers
                                         (state, exit code, hang); the reply says run or terminate, lists the
-                                        workers to run (with relayed progress), hands over injected faults
+                                        workers to run, hands over injected faults
                                         (heartbeat_route.py: a plain ASGI layer ahead of FastAPI's router)
     POST   /v1/nodes/{name}/faults      {"kind": "kill-node" | "fail-health" | "freeze-node" | "kill-worker"
                                         | "hang-worker", "rank": R (optional, worker faults)}

@@ -6,8 +6,8 @@ DIR/controller.log; pid in DIR/controller.pid). It owns:
   - the reconciler thread (`Reconciler.tick` every TICK_S), with the job scheduler (`scheduler.py`);
   - the HTTP API (FastAPI on uvicorn, loopback by default, cluster token required);
   - the rendezvous store, a `torch.distributed.TCPStore(is_master=True)`: it lives here, not in rank 0,
-    so it outlives any worker. Workers publish their progress there (`protocol.progress_key`); the scheduler
-    reads it and relays it to the agents' hang detectors. It listens on the API's connect address only
+    so it outlives any worker. Workers publish their progress there (`protocol.progress_key`); the scheduler's
+    tick reads every rank's step (the job's step, the straggler rule). It listens on the API's connect address only
     (`protocol.serve_store`; torch alone would listen on every interface), and every key the controller reads or
     writes goes through `protocol.namespaced` (under the namespace derived from the cluster token) — the trust
     boundary is in docs/control-plane.md.
