@@ -1,7 +1,7 @@
 """What the controller's handling of one heartbeat costs as the cluster's job history grows.
 
 The heartbeat's own handling — `server/heartbeat.answer_heartbeat`: record the node's report, ingest its workers,
-build its reply (assignments, progress relay, hurry, standbys) — over the controller's real policy objects and a
+build its reply (assignments, hurry, standbys) — over the controller's real policy objects and a
 real SQLite state (`tests/fakes.FakeCluster`: `Store`, `JobScheduler`, `Reconciler` wired as the daemon wires
 them, a fake backend and clock; no HTTP; past 64 nodes, the local backend's limit, the spec says `backend: hosts`).
 For each H in `--history`, a fresh cluster of `--nodes` nodes gets H past jobs (each submitted, run on every node —

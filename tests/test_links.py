@@ -174,6 +174,27 @@ def agent_messages(client: ClusterClient) -> dict[str, float]:
     return {s.labels["kind"]: s.value for s in families["phalanx_agent_messages"].samples if s.name.endswith("_total")}
 
 
+def test_a_killed_agent_with_a_heartbeat_being_answered_is_still_found_by_its_links_close():
+    """A poke to every agent brings a burst of full heartbeats; an agent killed while its heartbeat waits for an
+    answer closes its link, and is not stamped heard meanwhile nor at its answer: the close decides (`lost`), not the
+    heartbeat timeout (control_scale at 1,024 nodes: a killed agent found at 3.1 s, the timeout, instead of 0.6 s)."""
+    links = AgentLinks()
+    key = ("n1", "host:42")
+    links.opened(*key)
+    with links.answering(*key):
+        arrived = links._beats[key]
+        time.sleep(0.05)
+        closed_at = time.time()
+        links.closed(*key, closed_at)
+        assert links.take_beats() == {key: arrived}  # killed while waiting: heard when it arrived, not now
+        time.sleep(0.05)
+    assert links.take_beats() == {}  # nor when its answer was made
+    assert links.lost("n1", "host:42", arrived, closed_at + 0.6, grace_s=0.5) == pytest.approx(0.6)
+    links.opened(*key)  # an agent alive whose link was reset and opened again: heard while answered, as before
+    with links.answering(*key):
+        assert key in links.take_beats()
+
+
 @pytest.mark.slow
 def test_steady_agents_beat_on_their_links_instead_of_full_heartbeats_and_stay_healthy(tmp_path, home):
     """Protocol 5 on a real cluster: with nothing new to say (no job, health checked rarely), an agent beats on its

@@ -121,7 +121,9 @@ class AgentLinks:
     def answering(self, node: str, handle: str):
         """Around answering a full heartbeat (the loop's thread): its agent was heard from when it arrived, and is
         not silent while it waits for the answer — it sends nothing else meanwhile, and in a burst (a job launched
-        on a thousand nodes) the answers queue for seconds."""
+        on a thousand nodes) the answers queue for seconds. Unless its link has closed (and none is open again):
+        a killed agent does not wait for its answer, and a stamp after its link's close would hide the close
+        (`lost`), leaving it to the heartbeat timeout."""
         key = (node, handle)
         self._beats[key] = time.time()
         self._answering[key] = self._answering.get(key, 0) + 1
@@ -131,15 +133,22 @@ class AgentLinks:
             left = self._answering.pop(key) - 1
             if left:
                 self._answering[key] = left
-            self._beats[key] = time.time()
+            if self._linked(key):
+                self._beats[key] = time.time()
+
+    def _linked(self, key: tuple[str, str]) -> bool:
+        """This agent's link is open, or none of its was seen closing (links off, or not opened yet)."""
+        with self._lock:
+            return key in self._open or key not in self._closed
 
     def take_beats(self) -> dict[tuple[str, str], float]:
         """The newest beat of each agent since the last call (the reconciler's tick); now, for an agent whose
-        heartbeat is being answered."""
+        heartbeat is being answered (and whose link has not closed)."""
         beats, self._beats = self._beats, {}
         now = time.time()
         for key in list(self._answering):
-            beats[key] = now
+            if self._linked(key):
+                beats[key] = now
         return beats
 
     def poke(self, names: tuple[str, ...] | None = None) -> None:
