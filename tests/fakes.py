@@ -481,7 +481,7 @@ class FakeCluster:
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: "controller.fake:29400",
             read_progress=lambda job, gen, ranks, **how: protocol.read_progress(self.rendezvous, job, gen, ranks,
                                                                                  beats=False, **how),
-            controller_id=self.started_at, rendezvous=self.rendezvous, clock=self.clock)
+            rendezvous=self.rendezvous, clock=self.clock)
         self.jobs.token = self.paths.read_token()
         self.deep = DeepCheckCoordinator(self.spec, self.backend)
         self.reconciler = Reconciler(self.store, self.backend, started_at=self.started_at,

@@ -215,7 +215,7 @@ class ForkedChild:
     args: list[str]
     returncode: int | None = None
 
-    def _exit_code(self) -> int | None:
+    def _exit_code(self) -> int | None:  # (each holder's: how it reads its template's reports)
         raise NotImplementedError
 
     def poll(self) -> int | None:

@@ -166,7 +166,6 @@ class ForkedWorker(ForkedChild):
 
     def __init__(self, template: Template, pid: int, argv: list[str]):
         self.template, self.pid, self.args = template, pid, argv
-        self.returncode = None
 
     def _exit_code(self) -> int | None:
         return self.template.exit_code(self.pid, REPORT_WAIT_S)
@@ -183,4 +182,3 @@ class ForkedWorker(ForkedChild):
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from phalanx.control.agent.slurm_allocation import ignoring_usr2
-from phalanx.zygote import FORKABLE, ForkedChild, running  # (its module level is the standard library: torch loads only in `preload`)
+# (zygote's module level is the standard library: torch loads only in `preload`)
+from phalanx.zygote import FORKABLE, ForkedChild, running
 
 log = logging.getLogger("phalanx.agent.template")
 
@@ -64,7 +65,6 @@ class ForkedProcess(ForkedChild):
         self.template = template
         self.source = source  # the template process that forked it (the one that reports its exit)
         self.pid = pid
-        self.returncode = None
         self.args = ["(forked from the worker template)"]
 
     def _exit_code(self) -> int | None:

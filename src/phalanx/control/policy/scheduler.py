@@ -61,7 +61,7 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
 
     def __init__(self, store: Store, backend, *, jobs_root: Path,
                  read_progress: Callable[..., dict[int, dict] | None] | None,  # protocol.read_progress's
-                 store_addr: Callable[[], str | None], controller_id: float, rendezvous=None,
+                 store_addr: Callable[[], str | None], rendezvous=None,
                  clock: Callable[[], float] = time.time):
         self.store = store
         self.clock = clock  # the time policy decides by (tests drive a fake one)
@@ -71,7 +71,6 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         self.jobs_root = jobs_root
         self.read_progress = read_progress
         self.store_addr = store_addr
-        self.controller_id = controller_id  # (the replies name the controller that answered)
         self.rendezvous = rendezvous  # the controller's TCPStore (checkpointless generations, warm standbys)
         self.token = ""  # the cluster token: workers' env; signs standby assignments (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns

@@ -207,7 +207,7 @@ class Controller:
             self.store, self.backend, jobs_root=self.paths.jobs_dir, store_addr=lambda: store_addr,
             read_progress=lambda job, gen, ranks, **how: protocol.read_progress(rendezvous, job, gen, ranks,
                                                                                 beats=False, **how),
-            controller_id=started_at, rendezvous=rendezvous,
+            rendezvous=rendezvous,
         )
         self.jobs.token = self.token
         if restart:
