@@ -360,9 +360,12 @@ def test_app_errors_retry_on_the_same_nodes_then_fail_and_node_faults_need_auto_
     assert info["state"] == "running" and info["retries"] == 1 and info["generations"][1]["nodes"] == \
         info["generations"][0]["nodes"]
     assert "rank 1 on workers-1 killed by SIGKILL" in info["generations"][0]["end_reason"]
+    brief = jobs.describe(sleeping["id"], brief=True)  # a poll's read: the job and its generations only
+    assert "workers" not in brief and "events" not in brief and info["workers"] and info["events"]
+    assert brief["state"] == "running" and brief["generations"] == info["generations"], brief
     assert not process_running(first[0]["pid"], "python") and process_running(second[0]["pid"], "python")
     cancelled = jobs.cancel(sleeping["id"])  # returns once its workers are confirmed stopped
-    assert cancelled["state"] == "cancelled"
+    assert cancelled["state"] == "cancelled" and cancelled["workers"], cancelled
     assert not any(process_running(w["pid"], "python") for w in second.values())
 
     # an application-level GPU XID (13) on a node: the node stays, the job restarts on the same nodes (not a
@@ -581,6 +584,7 @@ def test_controller_sigkill_and_restart_leave_the_job_running(tmp_path, home, de
     time.sleep(3.5)  # longer than the heartbeat timeout; workers keep training, agents keep retrying
     offline = jobs.describe(job["id"])  # from SQLite while the controller is down
     assert offline["state"] == "running"
+    assert "workers" not in jobs.describe(job["id"], brief=True) and offline["workers"]
     restarted_at = time.time()
     start_controller("c1")
 

@@ -130,8 +130,8 @@ class JobClient:
             raise JobError(f"--nodes {nodes} is not possible in cluster {info['name']}: group {g['name']} has "
                            f"{g['count']} worker nodes (+{g['spares']} spares, which stand by to replace faulty "
                            f"nodes and run no jobs); use --nodes 1 to {g['count']}")
-        body = {"nodes": nodes, "priority": priority, "name": name, "group": g["name"], "cwd": str(cwd), "env": env or {},
-                "auto_resume": auto_resume, "max_retries": max_retries}
+        body = {"nodes": nodes, "priority": priority, "name": name, "group": g["name"], "cwd": str(cwd),
+                "env": env or {}, "auto_resume": auto_resume, "max_retries": max_retries}
         body.update({k: v for k, v in (("straggler_factor", straggler_factor), ("straggler_steps", straggler_steps),
                                        ("straggler_policy", straggler_policy)) if v is not None})
         if config is not None:
@@ -251,11 +251,11 @@ class JobClient:
             jobs = self._offline(lambda r: [j.public() for j in r.jobs()])
             return [{**j, "controller_down_since": self.offline_since} for j in jobs]
 
-    def describe(self, job: str) -> dict:
-        """The job with its generations, workers and events; from SQLite when the controller is down (then
-        with `controller_down_since`)."""
+    def describe(self, job: str, *, brief: bool = False) -> dict:
+        """The job with its generations, workers and events (`brief`: without the workers and events); from
+        SQLite when the controller is down (then with `controller_down_since`)."""
         try:
-            info = self.cluster.call("GET", f"/v1/jobs/{job}")
+            info = self.cluster.call("GET", f"/v1/jobs/{job}" + ("?brief=true" if brief else ""))
             self.cluster.offline_since = None
             return info
         except ApiError as err:
@@ -267,7 +267,7 @@ class JobClient:
                 found = records.find(job)
                 if found is None:
                     raise JobError(f"no job {job!r} in cluster {self.cluster.name}")
-                return records.describe(found)
+                return records.describe(found, brief=brief)
 
             return {**self._offline(read), "controller_down_since": self.offline_since}
 
@@ -288,9 +288,9 @@ class JobClient:
         """Poll until the job is in one of `states` (default: finished). Raises TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while True:
-            info = self.describe(job)
+            info = self.describe(job, brief=True)  # (a poll: the workers and events only at the end)
             if info["state"] in states:
-                return info
+                return self.describe(job)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job} is still {info['state']} after {timeout_s:g} s ({info['reason']})")
             time.sleep(poll_s)
@@ -305,8 +305,9 @@ class JobClient:
             raise
         deadline = time.monotonic() + timeout_s
         while wait:
-            info = self.describe(job)
+            info = self.describe(job, brief=True)
             if all(g["ended_at"] for g in info["generations"]):
+                info = self.describe(job)
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job}'s workers were not confirmed stopped within {timeout_s:g} s")

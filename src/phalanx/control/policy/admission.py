@@ -125,8 +125,8 @@ class Admission:
         for job in self.records.jobs((J.PENDING, *ACTIVE)):
             self.cancel(job.id, reason)
 
-    def describe(self, key: str) -> dict:
-        return self.records.describe(self.find(key))
+    def describe(self, key: str, *, brief: bool = False) -> dict:
+        return self.records.describe(self.find(key), brief=brief)
 
     def time_limit_warned(self, node: str, warned_at: float) -> None:
         """A node's agent relays Slurm's warning before its allocation's time limit (USR2): the training job on

@@ -259,9 +259,10 @@ def build_app(ctl):
         return [j.public() for j in ctl.jobs.records.jobs()]
 
     @app.get("/v1/jobs/{key}")
-    def describe_job(key: str) -> dict:
+    def describe_job(key: str, brief: bool = False) -> dict:
+        """`?brief=true`: without the workers and events (`JobRecords.describe`), for a poll of the state."""
         try:
-            info = ctl.jobs.describe(key)
+            info = ctl.jobs.describe(key, brief=brief)
             job = ctl.jobs.find(key)
         except JobRequestError as err:
             raise HTTPException(err.status, str(err)) from None
