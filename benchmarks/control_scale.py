@@ -142,10 +142,14 @@ class SimAgent:
             self.link_writer.close()
 
     async def join(self) -> None:
-        while True:  # like `phalanx agent`: a 503 while the cluster is created (rows not all provisioned) is retried
-            status, reply = await self.conn.request("POST", "/v1/join", {
-                "protocol": PROTOCOL_VERSION, "group": "workers", "handle": self.handle, "address": "127.0.0.1",
-                "ifname": "lo", "work_root": "/nonexistent/sim", "hostname": f"sim{self.i}"})
+        while True:  # like `phalanx agent` (`agent/join.py`): a 503 while the cluster is created (rows not all
+            try:  # provisioned) is retried, and a join unanswered (the same handle: it gets the node it claimed)
+                status, reply = await self.conn.request("POST", "/v1/join", {
+                    "protocol": PROTOCOL_VERSION, "group": "workers", "handle": self.handle, "address": "127.0.0.1",
+                    "ifname": "lo", "work_root": "/nonexistent/sim", "hostname": f"sim{self.i}"})
+            except asyncio.TimeoutError:
+                await asyncio.sleep(1.0)
+                continue
             if status != 503:
                 break
             await asyncio.sleep(0.5)
@@ -397,7 +401,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     schedule = max(a.assigned_at.get(job, float("inf")) for a in agents) - submitted
 
     def describe() -> dict:
-        req = urllib.request.Request(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {token}"})
+        req = urllib.request.Request(f"{url}/v1/jobs/{job}?brief=true",  # (a poll: not its 4,096 workers)
+                                     headers={"Authorization": f"Bearer {token}"})
         return json.loads(urllib.request.urlopen(req, timeout=60).read())
 
     # the job runs on every node (each agent reports its worker, each rank's progress is in the store): the same
@@ -417,7 +422,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
 
     def stopped() -> bool:
         """The job's generation ended: every worker confirmed stopped by its agent."""
-        req = urllib.request.Request(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {token}"})
+        req = urllib.request.Request(f"{url}/v1/jobs/{job}?brief=true",  # (a poll: not its 4,096 workers)
+                                     headers={"Authorization": f"Bearer {token}"})
         return json.loads(urllib.request.urlopen(req, timeout=60).read())["generations"][-1]["ended_at"] is not None
 
     busy_job = await loop.run_in_executor(None, describe)
@@ -428,11 +434,13 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     if busy_job_state in ("running", "recovering"):
         cancel = urllib.request.Request(f"{url}/v1/jobs/{job}/cancel", method="POST", data=b"{}", headers={
             "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        print(f"N={n}: cancelling the job", flush=True)
         cancelled_at = time.monotonic()
         await loop.run_in_executor(None, lambda: urllib.request.urlopen(cancel, timeout=60).read())
         while not await loop.run_in_executor(None, stopped) and time.monotonic() - cancelled_at < 300:
             await asyncio.sleep(0.05)
         stop = time.monotonic() - cancelled_at
+        print(f"N={n}: every worker stopped {stop:.1f} s after the cancel", flush=True)
     await asyncio.sleep(3 * interval)
 
     victim = agents[n // 2]

@@ -6,6 +6,7 @@ tests/test_slurm.py."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -177,12 +178,15 @@ def test_the_hosts_backend_learns_each_node_from_its_agent_and_starts_nothing(tm
     assert backend.launch(node) is None  # nothing started: the node waits for an agent to join it
     assert store.claim_node("workers", "hostA:41", "/w") .name == node.name
     assert store.claim_node("workers", "hostB:42", "/w") is None, "a node is claimed once"
+    # the same agent again (its join's answer lost to a timeout): the node it claimed, until it has heartbeated
+    assert store.claim_node("workers", "hostA:41", "/w").name == node.name
     with pytest.raises(RuntimeError, match="has not reported its address"):
         backend.node_host(store.node(node.name))
     store.update_node(node.name, report={"address": "198.18.0.11", "ifname": "eth0", "free_ports": [40001, 40002]},
                       last_heartbeat=time.time())
     node = store.node(node.name)
     assert node.work_dir == "/w/c1/workers-0" and node.handle == "hostA:41"
+    assert store.claim_node("workers", "hostA:41", "/w") is None, "its agent heartbeats: a join again claims nothing"
     assert backend.node_host(node) == "198.18.0.11"
     assert [backend.free_port(node), backend.free_port(node)] == [40001, 40002], "never the same port twice in a row"
     assert backend.gone(node) is None and backend.kill(node) == [] and backend.teardown([node], 1.0) == 0
@@ -401,3 +405,51 @@ def test_slurms_time_limit_warning_checkpoints_the_job_then_requeues_without_cou
     assert at_time_limit.count() == 1 and slurm_up.TimeLimitRequeues("c1", "42").count() == 1  # kept on disk
     at_time_limit.forget()
     assert at_time_limit.count() == 0
+
+
+def test_a_join_whose_answer_times_out_is_sent_again_and_a_join_to_nothing_fails_at_once(tmp_path, monkeypatch):
+    """Thousands of agents started at once (an srun on every host) may wait past a join's timeout: the agent joins
+    again with the same handle (the controller gives it the node its first join claimed). Nothing listening at
+    the URL is said at once, not retried for JOIN_RETRY_S."""
+    import http.server
+    import socketserver
+    import threading
+
+    from phalanx.control.agent import join as joining
+    from phalanx.control.http import ControllerUnreachable
+    from phalanx.protocol import PROTOCOL_VERSION
+
+    bodies = []
+
+    class Controller(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            if len(bodies) == 1:
+                time.sleep(1.0)  # past the join's timeout: busy, not gone
+            reply = json.dumps({"protocol": PROTOCOL_VERSION, "node": "workers-0", "cluster": "c1", "config": {},
+                                "store_addr": "127.0.0.1:1", "on_create": None}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Controller)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(joining, "JOIN_TIMEOUT_S", 0.3)
+    monkeypatch.setenv(joining.TOKEN_ENV, "t0ken")
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        config = joining.join(url, None, "workers", name=None, work_root=tmp_path, address="127.0.0.1", ifname="lo")
+        assert json.loads(config.read_text())["node"] == "workers-0"
+        assert len(bodies) == 2 and bodies[0]["handle"] == bodies[1]["handle"], bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+    started = time.monotonic()
+    with pytest.raises(ControllerUnreachable) as err:
+        joining.join(url, None, "workers", name=None, work_root=tmp_path, address="127.0.0.1", ifname="lo")
+    assert not err.value.timed_out and time.monotonic() - started < 5, "nothing listens there: said at once"

@@ -167,7 +167,46 @@ def test_store_refuses_illegal_transitions_and_records_every_move(tmp_path):
     store.close()
 
 
-def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_reverting_any(tmp_path):
+def test_the_controllers_long_lived_objects_are_frozen_and_a_frozen_cycle_is_freed_at_the_refreeze(monkeypatch):
+    """`server/heap.py`: what survives a slow full collection is frozen at the next tick (never walked again);
+    every REFREEZE_S everything is unfrozen and collected once, so a frozen object that became cyclic garbage is
+    freed then."""
+    import gc
+    import weakref
+
+    from phalanx.control.server import heap
+
+    class Row:
+        pass
+
+    now = [0.0]
+    long_lived = heap.LongLived(clock=lambda: now[0])
+    try:
+        long_lived.freeze()
+        frozen = gc.get_freeze_count()
+        rows = [Row() for _ in range(20000)]  # made after the freeze: walked by every full collection
+        long_lived.tick()
+        assert gc.get_freeze_count() == frozen, "no slow full collection yet: nothing more frozen"
+        monkeypatch.setattr(heap, "SLOW_S", 0.0)  # (every full collection is slow)
+        gc.collect()
+        long_lived.tick()
+        assert gc.get_freeze_count() >= frozen + len(rows) and long_lived.freezes == 2
+        cycle = Row()
+        cycle.me = cycle
+        alive = weakref.ref(cycle)
+        long_lived.freeze()
+        del cycle
+        gc.collect()
+        assert alive() is not None, "frozen: out of the collector's sight"
+        now[0] += heap.REFREEZE_S
+        long_lived.tick()
+        assert alive() is None, "unfrozen, collected, frozen again: the cycle is freed"
+    finally:
+        long_lived.close()
+        gc.unfreeze()
+
+
+def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_reverting_any(tmp_path, monkeypatch):
     """The controller (the store's owner) keeps a heartbeat's observations in memory and writes them in one
     transaction per reconciler tick (`Store.observe_node` / `flush_observed`): its own reads see them at once,
     another process's after the flush, and no write of the node in between loses or reverts them."""
@@ -193,6 +232,18 @@ def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_revert
     assert reader.node(b).last_heartbeat == 12.0
     reader.observe_node(a, last_heartbeat=13.0)  # not the owner: written at once
     assert Store(tmp_path / "state.db").node(a).last_heartbeat == 13.0
+
+    # the links' beats, folded at a tick under one lock (`observe_beats`): an older time is ignored; a flush of
+    # more nodes than FLUSH_ROWS writes them all, one transaction per FLUSH_ROWS
+    monkeypatch.setattr("phalanx.control.state.store.FLUSH_ROWS", 1)
+    owner = Store(tmp_path / "state.db", owner=True)
+    owner.observe_beats({a: 20.0, b: 21.0})
+    owner.observe_beats({a: 19.0, b: 22.0})
+    assert (owner.node(a).last_heartbeat, owner.node(b).last_heartbeat) == (20.0, 22.0)
+    assert reader.node(a).last_heartbeat == 13.0  # not in SQLite yet
+    assert owner.flush_observed() == 2 and owner.flush_observed() == 0
+    assert (reader.node(a).last_heartbeat, reader.node(b).last_heartbeat) == (20.0, 22.0)
+    owner.close()
     reader.close()
 
 

@@ -18,7 +18,9 @@ import urllib.request
 
 
 class ControllerUnreachable(ConnectionError):
-    pass
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out  # the controller took the request but did not answer in time (busy, not gone)
 
 
 class ApiError(RuntimeError):
@@ -59,7 +61,7 @@ def request_json(method: str, url: str, token: str | None, body: dict | None = N
         raise ApiError(err.code, _detail(err.read())) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
         reason = getattr(err, "reason", err)
-        raise ControllerUnreachable(f"{method} {url}: {reason}") from None
+        raise ControllerUnreachable(f"{method} {url}: {reason}", timed_out=isinstance(reason, TimeoutError)) from None
     return json.loads(payload) if payload else {}
 
 

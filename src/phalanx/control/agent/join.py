@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from phalanx.control.http import ApiError, request_json
+from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.protocol import PROTOCOL_VERSION, check_version
 
 log = logging.getLogger("phalanx.agent")
 SIOCGIFADDR = 0x8915
-JOIN_RETRY_S = 120.0  # how long a join is retried while the cluster is still being created
+JOIN_RETRY_S = 120.0  # how long a join is retried while the cluster is still being created, or unanswered
+JOIN_TIMEOUT_S = 10.0  # one join's answer waited for
 
 
 def route_address(url: str) -> str:
@@ -99,12 +100,17 @@ def join(url: str, token_file: Path | None, group: str, *, name: str | None, wor
     deadline = time.monotonic() + JOIN_RETRY_S
     while True:
         try:
-            reply = request_json("POST", f"{url.rstrip('/')}/v1/join", token, body, timeout=10)
+            reply = request_json("POST", f"{url.rstrip('/')}/v1/join", token, body, timeout=JOIN_TIMEOUT_S)
             break
         except ApiError as err:  # 503: the cluster is still being created, its nodes not all provisioned yet
             if err.status != 503 or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+        except ControllerUnreachable as err:  # (thousands of agents started at once: a join may time out) again,
+            if not err.timed_out or time.monotonic() > deadline:  # with the same handle: a join whose answer was
+                raise  # lost claimed its node. (Nothing listening, a wrong URL: said at once.)
+            log.warning("join: %s; again in 1 s", err)
+            time.sleep(1.0)
     check_version(reply.get("protocol"), "the controller")
     work = work_root / reply["cluster"] / reply["node"]
     work.mkdir(parents=True, exist_ok=True, mode=0o700)

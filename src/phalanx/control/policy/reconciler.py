@@ -95,11 +95,13 @@ class Reconciler:
         is no longer run by, nor one before the agent's first full heartbeat."""
         if self.links is None:
             return
+        folded = {}
         for (name, handle), at in self.links.take_beats().items():
             node = self.store.node(name)
             if node is not None and node.handle == handle and node.last_heartbeat is not None \
                     and at > node.last_heartbeat and node.state != S.TERMINATED:
-                self.store.observe_node(name, last_heartbeat=at)
+                folded[name] = at
+        self.store.observe_beats(folded)
 
     # ---- observe ------------------------------------------------------------------------------------
     def observe(self, node: Node, now: float) -> None:

@@ -39,6 +39,7 @@ import uvicorn
 
 from phalanx import protocol
 from phalanx.control.server.api import build_app
+from phalanx.control.server.heap import LongLived
 from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.server.links import AgentLinks
 from phalanx.control.backends import make_backend
@@ -143,6 +144,7 @@ class Controller:
         self.started_at: float | None = None
         self._exit = threading.Event()
         self._poked = threading.Event()  # a heartbeat brought news a decision waits on: tick now
+        self.heap = LongLived()  # short full garbage collections (heap.py)
         self._stop_nodes_reason: str | None = None
         self._nodes_stopped = False  # stopped while the API still served (backend hosts)
 
@@ -219,9 +221,10 @@ class Controller:
         self.server = ControllerServer(self.links, uvicorn.Config(
             build_app(self), log_level="warning", access_log=False, lifespan="off", proxy_headers=False,
             server_header=False, date_header=False,
-            # an agent that keeps its connection sends a full heartbeat at least every FULL_HEARTBEAT_MAX_S (5 s):
+            # an agent that keeps its connection sends a full heartbeat at least every FULL_HEARTBEAT_MAX_S (20 s):
             # uvicorn's default 5 s would close many of them just before their next request, at thousands of nodes
             timeout_keep_alive=int(3 * FULL_HEARTBEAT_MAX_S)))
+        self.heap.freeze()  # everything made so far lives as long as the controller: out of the collector's sight
         loop = threading.Thread(target=self._reconcile_loop, args=(reconciler,), name="reconciler", daemon=True)
         loop.start()
         # uvicorn restores the handler it found and re-raises the signal after a graceful shutdown; this one
@@ -263,6 +266,7 @@ class Controller:
                 reconciler.tick()
             except Exception:
                 log.exception("reconciler tick failed; next: retrying in %.1f s", TICK_S)
+            self.heap.tick()  # (a full collection's long-lived survivors frozen: heap.py)
             ended = time.monotonic()
             self._exit.wait(MIN_TICK_GAP_S)
             self._poked.wait(TICK_S - MIN_TICK_GAP_S)

@@ -1,5 +1,5 @@
-"""The controller's events: its one writer (an `EventLog` with source "controller") and the `events` table,
-mixed into `Store` (on its connection, under its lock).
+"""The controller's events: its one writer (an `EventLog` with source "controller") and the `events` table, and
+the counters /metrics reads instead of scanning them; mixed into `Store` (on its connection, under its lock).
 
 Every controller event — `Store.record_event`, a node's or a job's transition (written inside the same
 transaction as the state change) — goes through `Store.log`, whose sinks are, in order:
@@ -63,3 +63,13 @@ class EventRecords:
         sql += " ORDER BY id"
         rows = [dict(r) for r in self._exec(sql, tuple(args))]
         return rows[-limit:] if limit else rows
+
+    # ---- counters (what /metrics reads instead of scanning the events) ----------------------------------
+    def count(self, name: str, label: str, by: int = 1) -> None:
+        """Add `by` to the counter `name{label}` (created at 0). Labels must come from a bounded set."""
+        self._exec("INSERT INTO counters (name, label, value) VALUES (?,?,?) "
+                   "ON CONFLICT(name, label) DO UPDATE SET value = value + excluded.value", (name, label, by))
+
+    def counters(self, name: str) -> dict[str, int]:
+        """{label: value} of the counter `name` (one indexed range of the counters table)."""
+        return {r["label"]: r["value"] for r in self._exec("SELECT label, value FROM counters WHERE name=?", (name,))}

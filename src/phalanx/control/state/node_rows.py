@@ -84,6 +84,23 @@ class Node:
         return d
 
 
+def with_fields(row, fields: dict):
+    """`dataclasses.replace(row, **fields)` without its checks, for a frozen dataclass row with no `__post_init__`
+    (a Node, a WorkerRecord): 1 µs, not 7 — a heartbeat's observations and every beat update the owner's row."""
+    new = object.__new__(type(row))
+    new.__dict__.update(row.__dict__, **fields)
+    return new
+
+
+JSON_COLUMNS = ("health", "report", "directives")
+
+
+def _encoded(fields: dict) -> dict:
+    """Column → value as stored (the JSON columns' `_json` text)."""
+    return {(k + "_json" if k in JSON_COLUMNS else k): (json.dumps(v) if k in JSON_COLUMNS and v is not None else v)
+            for k, v in fields.items()}
+
+
 def _node(row: sqlite3.Row) -> Node:
     return Node(
         name=row["name"], group=row["group_name"], state=NodeState(row["state"]), is_spare=bool(row["is_spare"]),
