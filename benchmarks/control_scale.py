@@ -410,6 +410,7 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     gen = (await loop.run_in_executor(None, describe))["generations"][-1]
     await loop.run_in_executor(None, publish_progress, gen["store_addr"], token, job, gen["generation"], n)
     await asyncio.sleep(2 * interval)
+    print(f"N={n}: the job runs on every node; the busy window ({window:g} s)", flush=True)
     bench.latencies.clear()
     bench.beats, bench.failures, bench.recording = 0, 0, True
     pokes0 = await loop.run_in_executor(None, pokes, url, token)

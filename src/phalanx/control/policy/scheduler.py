@@ -52,6 +52,8 @@ from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
+EVERY_TICK_RANKS = 1024  # a running job of up to this many ranks has its steps read at every tick...
+RANK_READS_PER_S = 4096.0  # ...a larger one's at most this many ranks a second (4,096 ranks: once a second)
 
 
 class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
@@ -75,6 +77,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         self.token = ""  # the cluster token: workers' env; signs standby assignments (set by the controller)
         self.lock = threading.RLock()  # heartbeats (API threads) and ticks (reconciler thread) take turns
         self._said: dict[str, str] = {}  # job → the waiting line last logged
+        self._shown: tuple | None = None  # the active jobs `_show_node_jobs` last wrote into the nodes' rows
+        self._steps_read: dict[str, float] = {}  # job → when a tick last read its ranks' steps
         self.inplace = InPlaceRecovery(store, self.records, self.spec, rendezvous, clock)  # checkpointless jobs
         self._watches: dict[tuple[str, int], StragglerWatch] = {}  # (job, generation) → the straggler rule's state
         self._flagged: dict[str, list[dict]] = {}  # job → its stragglers so far (`stragglers()`)
@@ -98,8 +102,11 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         rows = self.records.workers(job=job.id, generation=gen.generation)
         done = len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows)
         # every rank's step, read at once; done: the last steps reached the store before each worker exited
-        if self._read_steps(job, gen, [w.rank for w in rows], all_or_none=not done):
-            rows = self.records.workers(job=job.id, generation=gen.generation)  # (with the steps just read)
+        if done or len(rows) <= EVERY_TICK_RANKS or \
+                now - self._steps_read.get(job.id, float("-inf")) >= len(rows) / RANK_READS_PER_S:
+            self._steps_read[job.id] = now
+            if self._read_steps(job, gen, [w.rank for w in rows], all_or_none=not done):
+                rows = self.records.workers(job=job.id, generation=gen.generation)  # (with the steps just read)
         self._track_progress(job, gen, rows, now)
         self._judge_stragglers(job, gen, rows, mark_faulty)
         if done:
@@ -270,11 +277,17 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
             log.error("job %s failed: %s", job.id, why)
 
     def _show_node_jobs(self) -> None:
-        """nodes.job (shown by `cluster list-nodes`) = the active job holding the node."""
-        holder = {n: j.id for j in self.records.jobs(ACTIVE) for n in j.nodes}
+        """nodes.job (shown by `cluster list-nodes`) = the active job holding the node; looked at again only when
+        the active jobs or their generations changed (every node, every tick, was a tenth of a tick at 4,096)."""
+        active = self.records.jobs(ACTIVE)
+        shown = tuple((j.id, j.generation, j.state, len(j.nodes)) for j in active)
+        if shown == self._shown:
+            return
+        holder = {n: j.id for j in active for n in j.nodes}
         for node in self.store.nodes(include_terminated=False):
             if node.job != holder.get(node.name):
                 self.store.update_node(node.name, job=holder.get(node.name))
+        self._shown = shown
 
     def relaunched_since(self) -> float | None:
         """The start of the oldest generation that a fault or a resize began and that has not made its first step

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from phalanx.control.state.job_rows import (  # noqa: F401 - the records' types, imported from here by their users
     ACTIVE, FINAL, J, JOB_ALLOWED, LIVE_WORKER, FaultKind, Generation, Job, JobState, Outcome, WorkerRecord, _enc,
     _generation, _job, _worker)
+from phalanx.control.state.node_rows import with_fields
 from phalanx.control.state.store import IllegalTransition, Store
 from phalanx.observability.events import EventKind
 
@@ -272,15 +273,22 @@ class JobRecords:
                 memo[node] = list(reports)
 
     def record_steps(self, job: str, generation: int, steps: dict[int, int | None]) -> None:
-        """Each rank's newest step (from the rendezvous store) into its row; ranks with no row are left out."""
+        """Each rank's newest step (from the rendezvous store) into its row; ranks with no row are left out. One
+        transaction for every rank that moved (a tick of a 4,096-rank job may move them all)."""
         with self.store.lock:
             kept = self._kept_rows(job, generation)
             ranks = sorted(rank for rank, step in steps.items() if step is not None)
             rows = ([kept[r] for r in ranks if r in kept] if kept is not None else
                     self._select_workers(job=job, generation=generation, ranks=ranks) if ranks else [])
-            for w in rows:
-                if steps[w.rank] != w.step:
-                    self.update_worker(job, generation, w.rank, step=steps[w.rank])
+            moved = [w.rank for w in rows if steps[w.rank] != w.step]
+            if not moved:
+                return
+            with self.store.transaction() as db:
+                db.executemany("UPDATE workers SET step=? WHERE job=? AND generation=? AND rank=?",
+                               [(steps[r], job, generation, r) for r in moved])
+            if kept is not None:
+                for r in moved:
+                    kept[r] = with_fields(kept[r], {"step": steps[r]})
 
     def put_worker(self, rec: dict) -> None:
         """Insert or replace one rank's record (keys: the `workers` columns)."""
@@ -304,7 +312,7 @@ class JobRecords:
                 self.store.reports_memo.clear()  # (a step is the scheduler's: no heartbeat's report compares it)
             kept = (self.store.generation_rows or {}).get((job, generation))
             if kept is not None and rank in kept:
-                kept[rank] = replace(kept[rank], **{k: bool(v) if k in ("frozen", "stopped") else v
+                kept[rank] = with_fields(kept[rank], {k: bool(v) if k in ("frozen", "stopped") else v
                                                     for k, v in values.items()})
 
     def set_node_ack(self, name: str, acked_at: float | None) -> None:
