@@ -1,7 +1,8 @@
 """Assignments: what each node's agent should run, told in its heartbeat reply, and what its agent reports
 back. `ingest()` records the agent's worker reports; `assignments()` builds the node's part of each running
-generation (ranks, env); `_read_steps()` reads the ranks' steps at each tick; `_publish()` writes a checkpointless
-generation's layout and the warm standbys' signed assignments to the rendezvous store.
+generation (ranks, env); `_fetch_running()` reads the ranks' steps at each tick, before the lock, and
+`_record_steps()` records them; `_publish()` writes a checkpointless generation's layout and the warm standbys'
+signed assignments to the rendezvous store.
 
 Part of `JobScheduler` (a mixin over its store, records and rendezvous). Must not know: fault policy (the
 scheduler decides; this only tells), how an agent starts a process.
@@ -13,7 +14,7 @@ import logging
 from pathlib import Path
 
 from phalanx import protocol
-from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobState
+from phalanx.control.state.jobs import ACTIVE, Generation, Job, JobState, WorkerRecord
 from phalanx.control.state.store import Node, NodeState
 from phalanx.observability.events import EventKind as E
 from phalanx.protocol.messages import Assignment, RankSlot, WorkerReport
@@ -23,6 +24,8 @@ J, S = JobState, NodeState
 FAST_POLL_S = 0.05  # a hurried agent's heartbeat period (next_heartbeat_s)...
 FAST_POLL_PER_S = 1000.0  # ...stretched so a generation's nodes send at most this many heartbeats a second
 HURRY_S = 10.0  # hurry at most this long after a generation ended or started
+EVERY_TICK_RANKS = 1024  # a running job of up to this many ranks has its steps read at every tick...
+RANK_READS_PER_S = 4096.0  # ...a larger one's at most this many ranks a second (4,096 ranks: once a second)
 
 
 class Assignments:
@@ -147,31 +150,55 @@ class Assignments:
         env.update(job.env)
         return env
 
-    def _read_steps(self, job: Job, gen: Generation, ranks: list[int], *, all_or_none: bool) -> bool:
+    def _fetch_running(self, now: float) -> dict[tuple[str, int], tuple]:
+        """Each running generation's steps, read at once (`_fetch_steps`), for the ranks that reported: at every tick,
+        a job of more than EVERY_TICK_RANKS ranks at most RANK_READS_PER_S ranks a second; a finished one (every
+        rank exited 0) in full, its last steps reached the store before each worker exited."""
+        out = {}
+        for job in self.records.jobs((J.RUNNING,)):
+            gen = self.records.generation(job.id, job.generation)
+            if gen is None or gen.stop_at is not None:
+                continue
+            rows = self.records.workers(job=job.id, generation=gen.generation)
+            done = all_ranks_exited_0(job, rows)
+            if done or len(rows) <= EVERY_TICK_RANKS or \
+                    now - self._steps_read.get(job.id, float("-inf")) >= len(rows) / RANK_READS_PER_S:
+                self._steps_read[job.id] = now
+                out[(job.id, gen.generation)] = (done, self._fetch_steps(job, gen, [w.rank for w in rows],
+                                                                          all_or_none=not done))
+        return out
+
+    def _fetch_steps(self, job: Job, gen: Generation, ranks: list[int], *, all_or_none: bool) -> tuple | None:
         """A tick's read of every rank's last step (`protocol.read_progress`: two round trips to the store, however
-        many ranks) into their worker rows, where `_track_progress` finds the job's step, and of their step times
-        (the straggler rule's input). `all_or_none`: nothing is read until every rank has published its step (a
-        job still starting): a read of every rank must not cost a round trip per rank. The agents' hang rules
-        do not depend on it: each reads its own workers' progress on its node. True when steps were recorded."""
+        many ranks) and of their step times (the straggler rule's input), without the scheduler's lock (`observe`
+        reads before it takes it: at 4,096 ranks the round trips held heartbeats waiting). `all_or_none`: nothing is
+        read until every rank has published its step (a job still starting): a read of every rank must not cost a
+        round trip per rank. The agents' hang rules do not depend on it: each reads its own workers' progress on
+        its node. (ranks, progress, step times) for `_record_steps`; None: nothing read."""
         if self.read_progress is None:
-            return False
+            return None
         if gen.store_addr != self.store_addr():
             self._say(f"store:{job.id}:{gen.generation}", f"job {job.id}: the rendezvous store moved from "
                       f"{gen.store_addr} to {self.store_addr()} (controller restart, old port taken); the job's step "
                       f"is not tracked for generation {gen.generation}, next: tracked again from the next generation")
-            return False
+            return None
         try:
             progress = self.read_progress(job.id, gen.generation, ranks, all_or_none=all_or_none)
         except RuntimeError as err:  # torch's store errors
             self._say(f"read:{job.id}", f"job {job.id}: cannot read progress from the rendezvous store ({err}); the "
                                         f"job's step is not tracked meanwhile, next: retrying at the next tick")
-            return False
+            return None
         self._said.pop(f"read:{job.id}", None)
         if progress is None:  # (all_or_none, and not every rank reported yet)
-            return False
-        self._note_step_times(job, gen, ranks, all_or_none=all_or_none)
+            return None
+        return ranks, progress, self._fetch_step_times(job, gen, ranks, all_or_none=all_or_none)
+
+    def _record_steps(self, job: Job, gen: Generation, fetched: tuple) -> None:
+        """What `_fetch_steps` read, under the lock: the steps into the worker rows (where `_track_progress` finds
+        the job's step), the step times into the straggler watch."""
+        ranks, progress, times = fetched
+        self._note_step_times(job, gen, times)
         self.records.record_steps(job.id, gen.generation, {r: (progress.get(r) or {}).get("step") for r in ranks})
-        return True
 
     def _publish(self, job: Job, gen: Generation) -> None:
         """Store keys of a new generation: the layout and number (checkpointless workers watch them), and the
@@ -214,3 +241,6 @@ class Assignments:
             config_path=str(Path(job.job_dir) / "config.json") if job.kind == "train" else None, node=node,
             recovery=job.recovery)
 
+
+def all_ranks_exited_0(job: Job, rows: list[WorkerRecord]) -> bool:
+    return len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows)

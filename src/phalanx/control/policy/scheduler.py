@@ -46,14 +46,12 @@ from phalanx.control.policy.stragglers import StragglerWatch
 from phalanx.control.state.jobs import FaultKind, Outcome, ACTIVE, Generation, Job, JobRecords, JobState, WorkerRecord
 from phalanx.control.state.store import Node, NodeState, Store
 from phalanx.control.policy.admission import Admission
-from phalanx.control.policy.assignments import Assignments
+from phalanx.control.policy.assignments import Assignments, all_ranks_exited_0
 from phalanx.control.policy.elastic import Elasticity
 from phalanx.observability.events import EventKind as E
 
 log = logging.getLogger("phalanx.scheduler")
 J, S = JobState, NodeState
-EVERY_TICK_RANKS = 1024  # a running job of up to this many ranks has its steps read at every tick...
-RANK_READS_PER_S = 4096.0  # ...a larger one's at most this many ranks a second (4,096 ranks: once a second)
 
 
 class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
@@ -88,25 +86,25 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
 
     # ---- ticks: observe (before node recovery) ------------------------------------------------------
     def observe(self, now: float, mark_faulty: Callable[[Node, str, str], None]) -> None:
+        fetched = self._fetch_running(now)  # (the store's round trips, before the lock heartbeats are answered under)
         with self.lock:
             for job in self.records.jobs((J.RUNNING,)):
                 gen = self.records.generation(job.id, job.generation)
                 if gen is not None and gen.stop_at is None:
-                    self._check_running(job, gen, now, mark_faulty)
+                    self._check_running(job, gen, now, mark_faulty, fetched.get((job.id, gen.generation)))
             for gen in self.records.generations(open_only=True):
                 if gen.stop_at is not None:
                     self._finish_stopping(gen, now, mark_faulty)
             self._show_node_jobs()
 
-    def _check_running(self, job: Job, gen: Generation, now: float, mark_faulty) -> None:
+    def _check_running(self, job: Job, gen: Generation, now: float, mark_faulty, fetched: tuple | None = None) -> None:
         rows = self.records.workers(job=job.id, generation=gen.generation)
-        done = len(rows) == job.world_size and all(w.state == "exited" and w.exit_code == 0 for w in rows)
-        # every rank's step, read at once; done: the last steps reached the store before each worker exited
-        if done or len(rows) <= EVERY_TICK_RANKS or \
-                now - self._steps_read.get(job.id, float("-inf")) >= len(rows) / RANK_READS_PER_S:
-            self._steps_read[job.id] = now
-            if self._read_steps(job, gen, [w.rank for w in rows], all_or_none=not done):
-                rows = self.records.workers(job=job.id, generation=gen.generation)  # (with the steps just read)
+        done = all_ranks_exited_0(job, rows)
+        if done and (fetched is None or not fetched[0]):  # (it ended since the read: its last steps, in full)
+            fetched = (True, self._fetch_steps(job, gen, [w.rank for w in rows], all_or_none=False))
+        if fetched is not None and fetched[1] is not None:
+            self._record_steps(job, gen, fetched[1])
+            rows = self.records.workers(job=job.id, generation=gen.generation)  # (with the steps just read)
         self._track_progress(job, gen, rows, now)
         self._judge_stragglers(job, gen, rows, mark_faulty)
         if done:

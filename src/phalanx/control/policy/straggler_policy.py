@@ -29,19 +29,22 @@ class StragglerPolicy:
         with self.lock:
             return [dict(s) for s in self._flagged.get(job_id, [])]
 
-    def _note_step_times(self, job: Job, gen: Generation, ranks: list[int], all_or_none: bool = False) -> bool:
-        """The compute seconds the ranks published (`protocol.step_time_key`), into the watch: read for a
-        heartbeat's ranks, or for every rank by a tick (`all_or_none`: False, nothing read, unless all reported)."""
+    def _fetch_step_times(self, job: Job, gen: Generation, ranks: list[int], all_or_none: bool = False) -> dict | None:
+        """The compute seconds the ranks published (`protocol.step_time_key`), read by a tick for every rank
+        (`all_or_none`: None, nothing read, unless all reported); without the lock (`_fetch_steps`)."""
         if self.rendezvous is None:
-            return False
+            return None
         try:
-            times = protocol.read_step_times(self.rendezvous, job.id, gen.generation, ranks, all_or_none=all_or_none)
+            return protocol.read_step_times(self.rendezvous, job.id, gen.generation, ranks, all_or_none=all_or_none)
         except (RuntimeError, ValueError) as err:  # torch's store errors; a value no worker of ours writes
             self._say(f"times:{job.id}", f"job {job.id}: cannot read step times ({err}); the straggler rule skips "
-                                         f"them, next: retrying at each heartbeat")
-            return False
+                                         f"them, next: retrying at the next tick")
+            return None
+
+    def _note_step_times(self, job: Job, gen: Generation, times: dict | None) -> None:
+        """What `_fetch_step_times` read, into the job's watch (under the lock)."""
         if times is None:
-            return False
+            return
         watch = self._watches.get((job.id, gen.generation))
         if watch is None:  # a new generation: the old one's state goes
             for key in [k for k in self._watches if k[0] == job.id]:
@@ -50,7 +53,6 @@ class StragglerPolicy:
                                                                              StragglerSettings.of(job.straggler))
         for rank, (step, seconds) in times.items():
             watch.record(rank, step, seconds)
-        return True
 
     def _judge_stragglers(self, job: Job, gen: Generation, rows: list[WorkerRecord], mark_faulty) -> None:
         """Tick side: each new straggler once — an event, then the job's straggler_policy."""
