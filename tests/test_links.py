@@ -234,3 +234,62 @@ def test_a_passing_health_checks_time_and_details_are_no_news_a_failing_check_al
     assert news(body(1.0, 500)) != news(body(6.0, 500, status="fail"))
     assert news(body(1.0, 500, status="fail")) != news(body(6.0, 500, status="fail"))
     assert news(body(1.0, 500)) != {**news(body(1.0, 500)), "phase": "configuring"}
+
+
+def test_a_heartbeat_answered_late_is_dated_from_its_arrival(monkeypatch):
+    """Heartbeats that waited for the locks a tick held are answered on the heartbeat thread later, one after
+    another; each node's last_heartbeat is when its heartbeat arrived: a killed agent's last heartbeat answered after its link's close was read must
+    not date from after the close (`AgentLinks.lost`; control_scale at 1,024 nodes: one killed agent of four was
+    found by the 3 s timeout, not its link's close)."""
+    import json as jsonlib
+    from types import SimpleNamespace
+
+    from phalanx.control.server import heartbeat_route
+    from phalanx.control.state.store import NodeState
+    from phalanx.protocol import PROTOCOL_VERSION
+
+    answered = []
+    tick_lock = threading.RLock()
+
+    def answer(store, jobs, deep, cid, node, hb, now, poke):  # (as `answer_heartbeat`: under the scheduler's lock)
+        with jobs.lock:
+            answered.append((now, time.time()))
+        return {"action": "run"}
+
+    monkeypatch.setattr(heartbeat_route, "answer_heartbeat", answer)
+    node = SimpleNamespace(state=NodeState.HEALTHY, handle="host:42")
+    ctl = SimpleNamespace(jobs=SimpleNamespace(lock=tick_lock), store=SimpleNamespace(lock=threading.RLock(),
+                          node=lambda name: node), links=None, deep_checks=None, started_at=0.0)
+    route = heartbeat_route.HeartbeatRoute(None, ctl)
+    body = jsonlib.dumps({"protocol": PROTOCOL_VERSION, "handle": "host:42", "phase": "ready",
+                          "sent_at": time.time()}).encode()
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    held = threading.Event()
+
+    def tick():  # a reconciler tick holding the scheduler's lock for 0.3 s
+        with tick_lock:
+            held.set()
+            time.sleep(0.3)
+
+    ticking = threading.Thread(target=tick)
+    ticking.start()
+    held.wait(5)
+    arrived = time.time()
+
+    async def two_heartbeats():  # both wait for the lock, the second on the heartbeat thread behind the first
+        scope = {"type": "http", "method": "POST", "path": "/v1/nodes/n1/heartbeat"}
+        await asyncio.gather(route(scope, receive, send), route(scope, receive, send))
+
+    asyncio.run(two_heartbeats())
+    ticking.join()
+    assert [m["status"] for m in sent if "status" in m] == [200, 200], sent
+    assert len(answered) == 2 and all(answered_at - arrived > 0.2 for _, answered_at in answered), \
+        "answered after the tick let go of the lock"
+    assert all(dated - arrived < 0.1 for dated, _ in answered), f"dated after their arrival: {answered}, {arrived}"

@@ -90,6 +90,7 @@ class HeartbeatRoute:
             return
         try:
             hb = self._parse(await self._body(receive))
+            arrived = time.time()  # its node's last_heartbeat: an answer that waited is not a later sign of life
             try:
                 check_version(hb.protocol, f"the agent of node {name}")
             except ProtocolMismatch as err:
@@ -99,7 +100,8 @@ class HeartbeatRoute:
                 links.attach(asyncio.get_running_loop())
             # its agent is heard from now, however long the answer waits for the store's lock
             with links.answering(name, hb.handle) if links is not None else nullcontext():
-                status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb), self.locks, self.queue)
+                status, reply = 200, await inline_or_queued(lambda: self._answer(name, hb, arrived), self.locks,
+                                                            self.queue)
             if links is not None:
                 links.heartbeats += 1
         except Refused as err:
@@ -141,7 +143,7 @@ class HeartbeatRoute:
             raise Refused(422, [{"type": e["type"], "loc": ["body", *e["loc"]], "msg": e["msg"]}
                                 for e in err.errors(include_url=False, include_input=False)]) from None
 
-    def _answer(self, name: str, hb: Heartbeat) -> dict:
+    def _answer(self, name: str, hb: Heartbeat, arrived: float) -> dict:
         node = self.store.node(name)
         if node is None:
             raise Refused(404, f"no node named {name!r}")
@@ -150,5 +152,7 @@ class HeartbeatRoute:
         if node.handle is not None and hb.handle != node.handle:
             raise Refused(410, f"node {name} is run by the agent with handle {node.handle}, not {hb.handle}")
         ctl = self.ctl
-        return answer_heartbeat(self.store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, time.time(),
+        # (arrived, not now: a killed agent's last heartbeat answered after its link's close was read must not
+        # date from after it, or `AgentLinks.lost` leaves the node to the heartbeat timeout)
+        return answer_heartbeat(self.store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, arrived,
                                 getattr(ctl, "poke", None))
