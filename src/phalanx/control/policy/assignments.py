@@ -151,21 +151,21 @@ class Assignments:
         return env
 
     def _fetch_running(self, now: float) -> dict[tuple[str, int], tuple]:
-        """Each running generation's steps, read at once (`_fetch_steps`), for the ranks that reported: at every tick,
-        a job of more than EVERY_TICK_RANKS ranks at most RANK_READS_PER_S ranks a second; a finished one (every
-        rank exited 0) in full, its last steps reached the store before each worker exited."""
+        """Each running generation's steps, read at once (`_fetch_steps`, all or none), for the ranks that reported:
+        at every tick, a job of more than EVERY_TICK_RANKS ranks at most RANK_READS_PER_S ranks a second. Not a
+        finished one (every rank exited 0): `_check_running` reads its last steps in full."""
         out = {}
         for job in self.records.jobs((J.RUNNING,)):
             gen = self.records.generation(job.id, job.generation)
             if gen is None or gen.stop_at is not None:
                 continue
             rows = self.records.workers(job=job.id, generation=gen.generation)
-            done = all_ranks_exited_0(job, rows)
-            if done or len(rows) <= EVERY_TICK_RANKS or \
+            if all_ranks_exited_0(job, rows):
+                continue
+            if len(rows) <= EVERY_TICK_RANKS or \
                     now - self._steps_read.get(job.id, float("-inf")) >= len(rows) / RANK_READS_PER_S:
                 self._steps_read[job.id] = now
-                out[(job.id, gen.generation)] = (done, self._fetch_steps(job, gen, [w.rank for w in rows],
-                                                                          all_or_none=not done))
+                out[(job.id, gen.generation)] = self._fetch_steps(job, gen, [w.rank for w in rows], all_or_none=True)
         return out
 
     def _fetch_steps(self, job: Job, gen: Generation, ranks: list[int], *, all_or_none: bool) -> tuple | None:

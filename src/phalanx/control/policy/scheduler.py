@@ -100,10 +100,10 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
     def _check_running(self, job: Job, gen: Generation, now: float, mark_faulty, fetched: tuple | None = None) -> None:
         rows = self.records.workers(job=job.id, generation=gen.generation)
         done = all_ranks_exited_0(job, rows)
-        if done and (fetched is None or not fetched[0]):  # (it ended since the read: its last steps, in full)
-            fetched = (True, self._fetch_steps(job, gen, [w.rank for w in rows], all_or_none=False))
-        if fetched is not None and fetched[1] is not None:
-            self._record_steps(job, gen, fetched[1])
+        if done:  # its last steps, in full: they reached the store before each worker exited
+            fetched = self._fetch_steps(job, gen, [w.rank for w in rows], all_or_none=False)
+        if fetched is not None:
+            self._record_steps(job, gen, fetched)
             rows = self.records.workers(job=job.id, generation=gen.generation)  # (with the steps just read)
         self._track_progress(job, gen, rows, now)
         self._judge_stragglers(job, gen, rows, mark_faulty)
