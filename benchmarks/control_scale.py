@@ -32,6 +32,9 @@ cpu_cores, agents_cpu_cores, scrape_ms, schedule_s, busy_hb_p50_ms, busy_hb_p99_
 detect_s, detect_excess_s, detect_gone_s).
 
     PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes 64 256 1024
+
+`--timeline FILE` also writes every heartbeat timed (when it was sent, how long its answer took), to tell a stall
+of the whole controller (every heartbeat sent in the same second is late) from a slow few.
 """
 
 from __future__ import annotations
@@ -258,6 +261,7 @@ class Bench:
     def __init__(self):
         self.recording = False
         self.latencies: list[float] = []
+        self.timeline: list[tuple[float, float]] = []  # (sent at, time.monotonic; seconds to the answer), recorded
         self.beats = 0
         self.failures = 0  # heartbeats unanswered twice (`Conn.request`), while recording
         self.failures_total = 0  # over the whole run: the creation, the stop and the detections too
@@ -271,6 +275,7 @@ class Bench:
     def heartbeat(self, seconds: float) -> None:
         if self.recording:
             self.latencies.append(seconds)
+            self.timeline.append((time.monotonic() - seconds, seconds))
 
     def beat(self) -> None:
         if self.recording:
@@ -317,7 +322,8 @@ def pokes(url: str, token: str) -> float:
     return 0.0
 
 
-async def measure(n: int, window: float, root: Path, interval: float | None = None) -> dict:
+async def measure(n: int, window: float, root: Path, interval: float | None = None,
+                  timeline: Path | None = None) -> dict:
     os.environ["PHALANX_HOME"] = str(root / f"home-{n}")
     from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
     from phalanx.control.spec import spec_from_dict
@@ -420,6 +426,9 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     bench.recording = False
     busy_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
     busy, busy_beats, busy_failures = sorted(bench.latencies), bench.beats, bench.failures
+    if timeline is not None:  # each heartbeat answered in the idle and busy windows: when it was sent, how long it took
+        timeline.write_text(json.dumps({"nodes": n, "interval_s": interval, "busy_from_s": 0.0, "heartbeats": [
+            [round(sent - busy_t0, 4), round(took, 4)] for sent, took in bench.timeline]}))
 
     def stopped() -> bool:
         """The job's generation ended: every worker confirmed stopped by its agent."""
@@ -503,6 +512,8 @@ def main() -> None:
     parser.add_argument("--heartbeat-interval", type=float, help="the agents' heartbeat period (timeout: 6 ×); "
                         "default: the spec's (0.5 s, timeout 3 s)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--timeline", type=Path, help="write each heartbeat of the idle and busy windows (sent at, "
+                        "seconds from the busy window's start; answered after, seconds) to TIMELINE_<N>.json")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # N keep-alive sockets here and in the controller
@@ -510,7 +521,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="phalanx-scale-") as tmp:
         for n in args.nodes:
             try:
-                rows.append(asyncio.run(measure(n, args.window, Path(tmp), args.heartbeat_interval)))
+                timeline = args.timeline.with_name(f"{args.timeline.stem}_{n}.json") if args.timeline else None
+                rows.append(asyncio.run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline)))
             except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
                 reason = str(err).splitlines()[0][:300]
                 print(f"N={n}: failed: {reason}", flush=True)

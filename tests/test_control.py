@@ -243,6 +243,13 @@ def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_revert
     assert reader.node(a).last_heartbeat == 13.0  # not in SQLite yet
     assert owner.flush_observed() == 2 and owner.flush_observed() == 0
     assert (reader.node(a).last_heartbeat, reader.node(b).last_heartbeat) == (20.0, 22.0)
+
+    # many nodes' fields written at once (`update_nodes`, nodes.job at a launch): in SQLite and the owner's rows,
+    # FLUSH_ROWS per transaction, and an older observation of a column written is not flushed over it
+    owner.observe_node(a, acked_at=30.0, last_heartbeat=30.0)
+    owner.update_nodes({a: {"job": "7", "acked_at": 31.0}, b: {"job": "7"}})
+    assert [(owner.node(n).job, reader.node(n).job) for n in (a, b)] == [("7", "7"), ("7", "7")]
+    assert owner.flush_observed() == 1 and reader.node(a).acked_at == 31.0 and reader.node(a).last_heartbeat == 30.0
     owner.close()
     reader.close()
 

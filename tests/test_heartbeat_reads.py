@@ -74,9 +74,13 @@ def test_the_worker_rows_a_heartbeat_compares_are_the_live_and_reported_ones(tmp
     job = c.submit(nodes=2)
     c.run_until(lambda: all(c.agents[n].running(job.id) for n in ("workers-0", "workers-1")), "the job running")
     c.step()  # (the agents report the workers they started)
-    read = c.jobs.records.reported_workers("workers-0", {job.id})
+    read = c.jobs.records.reported_workers("workers-0", {(job.id, 1, 0)})
     assert {(w.job, w.state) for w in read} == {(job.id, "running")}  # none of the 5 past jobs' rows
     assert c.jobs.records.reported_workers("workers-0", set()) == read  # live rows come without being reported
+    past = sorted(j.id for j in c.jobs.records.jobs() if j.id != job.id)[0]
+    reported = c.jobs.records.reported_workers("workers-0", {(past, 1, 0)})  # a row no longer live, by its key
+    assert sorted((w.job, w.state) for w in reported) == sorted([(past, "exited"), (job.id, "running")])
+    assert c.jobs.records.reported_workers("workers-0", {(past, 1, 1)}) == read  # workers-1's row: not this node's
     c.agents["workers-0"].workers.clear()  # its agent forgets the worker (as after a restart that lost it)
     c.step()
     rows = c.jobs.records.workers(job=job.id, node="workers-0")
@@ -187,3 +191,28 @@ def test_a_running_jobs_heartbeat_reads_nothing_from_the_store_and_a_tick_reads_
         c.heartbeat(c.agents[name])
     assert reads == [], "a heartbeat read the store"
     c.close()
+
+
+def test_a_heartbeat_with_news_reads_its_own_rows_not_the_whole_jobs(tmp_path):
+    """At a launch or a stop every node's heartbeat brings news (its workers started, or exited), and each is
+    compared with its node's rows. Read by the job, that scanned every rank's row per heartbeat — N² for the N
+    heartbeats of a launch (benchmarks/control_scale.py at 4,096 nodes: answers 6 s late as a job started). The
+    SQLite work of one such heartbeat (its virtual machine's instructions, counted by a progress handler) does not
+    grow with the job's size."""
+    work = {}
+    for nodes in (2, 48):
+        c = FakeCluster(tmp_path / str(nodes), count=nodes, spares=0).create()
+        job = c.submit(nodes=nodes)
+        c.run_until(lambda: all(a.running(job.id) for a in c.agents.values()), "the job running")
+        c.step()
+        agent = c.agents["workers-0"]
+        for w in agent.workers.values():
+            w.detail = "news"  # (what a real agent's report changes between heartbeats: its workers' state)
+        steps = [0]
+        c.store._db.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 10)
+        c.heartbeat(agent)
+        c.store._db.set_progress_handler(None, 10)
+        assert c.jobs.records.workers(job=job.id, node="workers-0")[0].detail == "news"  # the news was taken
+        work[nodes] = steps[0]
+        c.close()
+    assert work[48] <= work[2] * 1.2, work

@@ -37,6 +37,7 @@ from phalanx.control.http import ApiError, ControllerUnreachable, request_json
 from phalanx.control.state.paths import (PRIVATE_UMASK, ClusterPaths, list_clusters, open_private_log, phalanx_home,
                                    write_private)
 from phalanx.control.spec import ClusterSpec, SpecError, heartbeat_load_warning, load_spec
+from phalanx.control.state.describe import describe
 from phalanx.control.state.store import ClusterStatus, NodeState, Store, open_existing
 
 
@@ -116,7 +117,7 @@ class ClusterClient:
             info["controller"]["running"] = True
             self.offline_since = None
         except ControllerUnreachable:
-            info = self._read_store(Store.describe)
+            info = self._read_store(describe)
             info["controller"]["running"] = False
             info["controller"]["down_since"] = self.offline_since
         return info

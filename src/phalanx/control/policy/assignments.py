@@ -38,8 +38,8 @@ class Assignments:
             self.records.set_node_ack(node.name, acked_at)
             if self.records.unchanged_reports(node.name, reports):
                 return False
-            known = {(w.job, w.generation, w.rank): w
-                     for w in self.records.reported_workers(node.name, {r.job for r in reports})}
+            keys = {(r.job, r.generation, r.rank) for r in reports}
+            known = {(w.job, w.generation, w.rank): w for w in self.records.reported_workers(node.name, keys)}
             seen = set()
             for r in reports:
                 key = (r.job, r.generation, r.rank)

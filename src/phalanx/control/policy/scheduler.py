@@ -282,9 +282,8 @@ class JobScheduler(Admission, Assignments, StragglerPolicy, Elasticity):
         if shown == self._shown:
             return
         holder = {n: j.id for j in active for n in j.nodes}
-        for node in self.store.nodes(include_terminated=False):
-            if node.job != holder.get(node.name):
-                self.store.update_node(node.name, job=holder.get(node.name))
+        self.store.update_nodes({node.name: {"job": holder.get(node.name)} for node in
+                                 self.store.nodes(include_terminated=False) if node.job != holder.get(node.name)})
         self._shown = shown
 
     def relaunched_since(self) -> float | None:

@@ -46,6 +46,7 @@ from phalanx.protocol import ProtocolMismatch, check_version
 from phalanx.protocol.messages import JoinReply, JoinRequest
 from phalanx.control.spec import agent_settings
 from phalanx.control.policy.admission import JobRequestError
+from phalanx.control.state.describe import describe
 from phalanx.control.state.store import ClusterStatus, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
@@ -139,7 +140,7 @@ def build_app(ctl):
 
     @app.get("/v1/cluster")
     def get_cluster() -> dict:
-        return store.describe()
+        return describe(store)
 
     @app.get("/v1/nodes")
     def get_nodes() -> list[dict]:

@@ -168,31 +168,6 @@ class Store(EventRecords):
         cols = ", ".join(f"{k}=?" for k in fields)
         self._exec(f"UPDATE groups SET {cols} WHERE name=?", (*fields.values(), name))
 
-    def describe(self) -> dict:
-        """What `cluster describe` shows: status, groups with counts and spares, controller, store."""
-        c, spec = self.cluster(), self.spec()
-        nodes = self.nodes(include_terminated=False)
-        groups = []
-        for g in self.groups():
-            mine = [n for n in nodes if n.group == g["name"]]
-            members = [n for n in mine if not n.is_spare and n.live]
-            spares = [n for n in mine if n.is_spare and n.live]
-            groups.append({
-                "name": g["name"], "instance_type": g["instance_type"], "count": g["count"], "spares": g["spares"],
-                "on_create": g["on_create"], "members_healthy": sum(n.state == S.HEALTHY for n in members),
-                "members": len(members), "spares_ready": sum(n.state == S.HEALTHY for n in spares),
-                "spares_total": len(spares), "provision_failures": g["provision_failures"],
-            })
-        host = c["api_host"]
-        return {
-            "name": c["name"], "status": c["status"], "status_reason": c["status_reason"], "backend": spec.backend,
-            "node_recovery": spec.node_recovery, "created_at": c["created_at"], "groups": groups,
-            "controller": {"pid": c["controller_pid"], "started_at": c["controller_started_at"],
-                           "api": f"http://{host}:{c['api_port']}" if c["api_port"] else None},
-            "store": {"addr": f"{host}:{c['store_port']}" if c["store_port"] else None},
-            "health": spec.health.model_dump(),
-        }
-
     # ---- nodes --------------------------------------------------------------------------------
     def add_node(self, group: str, *, is_spare: bool, work_root: Path, reason: str) -> Node:
         """A new node in state provisioning, named `<group>-<n>` (names are never reused)."""
@@ -350,6 +325,29 @@ class Store(EventRecords):
         with self.transaction() as db:
             for columns, rows in by_columns.items():
                 db.executemany(f"UPDATE nodes SET {', '.join(f'{c}=?' for c in columns)} WHERE name=?", rows)
+
+    def update_nodes(self, fields_by_node: dict[str, dict]) -> None:
+        """`update_node` of many nodes: FLUSH_ROWS rows per transaction, the lock let go between them (one
+        autocommit per node, under the scheduler's lock, was 0.8 s of a tick at 4,096 nodes)."""
+        names = list(fields_by_node)
+        for start in range(0, len(names), FLUSH_ROWS):
+            chunk = {n: fields_by_node[n] for n in names[start:start + FLUSH_ROWS]}
+            assert not any("state" in f for f in chunk.values()), "use transition() to change a node's state"
+            with self._lock:
+                for name, fields in chunk.items():
+                    for column in fields:  # written now: an older observation of it must not be flushed over it
+                        self._observed.get(name, {}).pop(column, None)
+                self._write_observed(chunk)
+                for name, fields in chunk.items():
+                    cached = self._rows.get(name) if self._owner and self._rows is not None else None
+                    if cached is not None:
+                        self._rows[name] = with_fields(cached, {k: bool(v) if k == "is_spare" else v
+                                                                for k, v in fields.items()})
+                    else:
+                        self._written(name)
+        changed = tuple(n for n, f in fields_by_node.items() if set(f) - OBSERVED - {"handle"})
+        if changed:
+            self.changed(changed)
 
     def add_directive(self, name: str, directive: str) -> None:
         """Queue something for the node's agent (handed over with the next heartbeat reply)."""
