@@ -250,6 +250,14 @@ def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_revert
     owner.update_nodes({a: {"job": "7", "acked_at": 31.0}, b: {"job": "7"}})
     assert [(owner.node(n).job, reader.node(n).job) for n in (a, b)] == [("7", "7"), ("7", "7")]
     assert owner.flush_observed() == 1 and reader.node(a).acked_at == 31.0 and reader.node(a).last_heartbeat == 30.0
+
+    # more nodes waiting than FLUSH_RATE: flushed a second per FLUSH_RATE of them, not every FLUSH_S
+    monkeypatch.setattr("phalanx.control.state.store.FLUSH_RATE", 1)
+    owner.observe_beats({a: 40.0, b: 41.0})
+    owner._flushed_at = time.monotonic() - 1.5  # (the last flush 1.5 s ago: two nodes wait, so two seconds)
+    assert owner.flush_observed(every_s=1.0) == 0 and reader.node(a).last_heartbeat == 30.0
+    owner._flushed_at = time.monotonic() - 2.5
+    assert owner.flush_observed(every_s=1.0) == 2 and reader.node(a).last_heartbeat == 40.0
     owner.close()
     reader.close()
 

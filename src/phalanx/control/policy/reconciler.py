@@ -95,13 +95,14 @@ class Reconciler:
         is no longer run by, nor one before the agent's first full heartbeat."""
         if self.links is None:
             return
-        folded = {}
-        for (name, handle), at in self.links.take_beats().items():
-            node = self.store.node(name)
-            if node is not None and node.handle == handle and node.last_heartbeat is not None \
-                    and at > node.last_heartbeat and node.state != S.TERMINATED:
-                folded[name] = at
-        self.store.observe_beats(folded)
+        folded, beats = {}, self.links.take_beats()
+        with self.store.lock:  # (one hold, not one per beat: a heartbeat waiting for it gets it once, not 2,000 times)
+            for (name, handle), at in beats.items():
+                node = self.store.node(name)
+                if node is not None and node.handle == handle and node.last_heartbeat is not None \
+                        and at > node.last_heartbeat and node.state != S.TERMINATED:
+                    folded[name] = at
+            self.store.observe_beats(folded)
 
     # ---- observe ------------------------------------------------------------------------------------
     def observe(self, node: Node, now: float) -> None:

@@ -36,8 +36,9 @@ from phalanx.observability.events import EventKind
 
 
 OBSERVED = frozenset({"last_heartbeat", "acked_at", "health", "report"})  # what a heartbeat reports, batched
-FLUSH_S = 1.0  # the reconciler writes the batched observations at most this often...
+FLUSH_S = 1.0  # the reconciler writes the batched observations at most this often (and FLUSH_RATE rows a second)...
 FLUSH_ROWS = 512  # ...in transactions of at most this many nodes, the store's lock let go between them
+FLUSH_RATE = 1024  # (4,096 nodes: every 4 s; each flush is a tenth of a core's second, under the heartbeats' lock)
 
 
 class Store(EventRecords):
@@ -266,9 +267,10 @@ class Store(EventRecords):
 
     def observe_node(self, name: str, **fields) -> None:
         """A heartbeat's observations (`OBSERVED` columns): in the owner's view at once, in SQLite at the next
-        `flush_observed` (the reconciler's tick, at most every FLUSH_S) or the node's next write. Two UPDATEs per
-        heartbeat were the largest part of its handling at a thousand agents (benchmarks/control_scale.py); a
-        controller killed loses at most FLUSH_S of heartbeat times, which its agents send again. Not the owner, or
+        `flush_observed` (the reconciler's tick, at most every FLUSH_S; a second per FLUSH_RATE nodes) or the node's
+        next write. Two UPDATEs per heartbeat were the largest part of its handling at a thousand agents
+        (benchmarks/control_scale.py); a controller killed loses those heartbeat times, which its agents send again
+        (and a restarted controller judges silence from its own start). Not the owner, or
         a node it has not read yet: written now (`update_node`)."""
         assert set(fields) <= OBSERVED, f"not a heartbeat's observation: {set(fields) - OBSERVED}"
         with self._lock:
@@ -297,9 +299,10 @@ class Store(EventRecords):
 
     def flush_observed(self, *, every_s: float = 0.0) -> int:
         """Write the observations `observe_node` kept, FLUSH_ROWS nodes per transaction; not when the last flush
-        that wrote was less than `every_s` ago. Returns the nodes written. (One transaction of 4,096 rows took 32 ms
-        here, under the lock every heartbeat's answer takes.)"""
+        that wrote was less than `every_s` ago, nor one second per FLUSH_RATE nodes waiting. Returns the nodes
+        written. (One transaction of 4,096 rows took 32 ms here, under the lock every heartbeat's answer takes.)"""
         with self._lock:
+            every_s = max(every_s, len(self._observed) / FLUSH_RATE) if every_s else 0.0
             if not self._observed or time.monotonic() - self._flushed_at < every_s:
                 return 0
             names = list(self._observed)
