@@ -396,6 +396,7 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
 
     scrapes = [(await loop.run_in_executor(None, http_get, f"{url}/metrics", token))[0] for _ in range(5)]
 
+    print(f"N={n}: a job submitted on every node", flush=True)
     submitted = time.time()
     req = urllib.request.Request(f"{url}/v1/jobs", method="POST", data=json.dumps(
         {"kind": "command", "nodes": n, "argv": ["sleep", "600"], "cwd": str(root), "name": "scale"}).encode(),
@@ -405,6 +406,9 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     while not all(job in a.assigned_at for a in agents) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     schedule = max(a.assigned_at.get(job, float("inf")) for a in agents) - submitted
+    reached = sorted(a.assigned_at.get(job, float("inf")) - submitted for a in agents)
+    print(f"N={n}: its assignment reached half the agents {reached[n // 2]:.1f} s after the submit, 90 % "
+          f"{reached[int(0.9 * (n - 1))]:.1f} s, the last {reached[-1]:.1f} s", flush=True)
 
     def describe() -> dict:
         req = urllib.request.Request(f"{url}/v1/jobs/{job}?brief=true",  # (a poll: not its 4,096 workers)

@@ -250,6 +250,12 @@ def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_revert
     owner.update_nodes({a: {"job": "7", "acked_at": 31.0}, b: {"job": "7"}})
     assert [(owner.node(n).job, reader.node(n).job) for n in (a, b)] == [("7", "7"), ("7", "7")]
     assert owner.flush_observed() == 1 and reader.node(a).acked_at == 31.0 and reader.node(a).last_heartbeat == 30.0
+    told = []  # which agents a write pokes: not for nodes.job (shown by list-nodes, in no heartbeat reply)
+    owner.on_change = told.append
+    owner.update_nodes({a: {"job": None}, b: {"job": None}})
+    owner.update_nodes({a: {"directives": ["deep-check"]}, b: {"job": "8"}})
+    assert told == [(a,)] and owner.node(b).job == "8"
+    owner.on_change = None
 
     # more nodes waiting than FLUSH_RATE: flushed a second per FLUSH_RATE of them, not every FLUSH_S
     monkeypatch.setattr("phalanx.control.state.store.FLUSH_RATE", 1)

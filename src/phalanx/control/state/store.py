@@ -36,6 +36,7 @@ from phalanx.observability.events import EventKind
 
 
 OBSERVED = frozenset({"last_heartbeat", "acked_at", "health", "report"})  # what a heartbeat reports, batched
+NO_NEWS = OBSERVED | {"handle", "job"}  # columns no heartbeat reply depends on: a write of them pokes no agent
 FLUSH_S = 1.0  # the reconciler writes the batched observations at most this often (and FLUSH_RATE rows a second)...
 FLUSH_ROWS = 512  # ...in transactions of at most this many nodes, the store's lock let go between them
 FLUSH_RATE = 1024  # (4,096 nodes: every 4 s; each flush is a tenth of a core's second, under the heartbeats' lock)
@@ -262,7 +263,7 @@ class Store(EventRecords):
                 self._rows[name] = replace(cached, **{k: bool(v) if k == "is_spare" else v for k, v in fields.items()})
             else:
                 self._written(name)
-        if set(fields) - OBSERVED - {"handle"}:  # (what a heartbeat reports is no news to its agent)
+        if set(fields) - NO_NEWS:
             self.changed((name,))
 
     def observe_node(self, name: str, **fields) -> None:
@@ -348,8 +349,7 @@ class Store(EventRecords):
                                                                 for k, v in fields.items()})
                     else:
                         self._written(name)
-        changed = tuple(n for n, f in fields_by_node.items() if set(f) - OBSERVED - {"handle"})
-        if changed:
+        if changed := tuple(n for n, f in fields_by_node.items() if set(f) - NO_NEWS):
             self.changed(changed)
 
     def add_directive(self, name: str, directive: str) -> None:
