@@ -251,7 +251,7 @@ class JobRecords:
         """What a heartbeat from `node` is compared against: its live rows, and its rows of the (job, generation,
         rank) its agent reports, read by key (the owner: from the generations' kept rows). Never a whole job's rows
         nor every row the node ever had: at a launch or a stop every node's heartbeat brings news, and a read that
-        grows with the job's size made those N heartbeats cost N² (7 s of the controller's time at 4,096 nodes)."""
+        grows with the job's size made those N heartbeats cost N² (0.7 ms each at 4,096 ranks: answers 6-9 s late)."""
         sql = f"SELECT * FROM workers WHERE node=? AND state IN ({', '.join('?' * len(LIVE_WORKER))})"
         rows = {(w.job, w.generation, w.rank): w for w in map(_worker, self.store.execute(sql, (node, *LIVE_WORKER)))}
         wanted: dict[tuple[str, int], list[int]] = {}
