@@ -22,7 +22,6 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -251,20 +250,7 @@ class Store(EventRecords):
 
     def update_node(self, name: str, **fields) -> None:
         """Record observations (heartbeat time, handle, health) — never the state; see `transition`."""
-        assert "state" not in fields, "use transition() to change a node's state"
-        encoded = _encoded(fields)
-        cols = ", ".join(f"{k}=?" for k in encoded)
-        with self._lock:
-            for column in fields:  # written now: an older observation of it must not be flushed over it
-                self._observed.get(name, {}).pop(column, None)
-            self._exec(f"UPDATE nodes SET {cols} WHERE name=?", (*encoded.values(), name))
-            cached = self._rows.get(name) if self._owner and self._rows is not None else None
-            if cached is not None:  # the values written, without reading the row back (a heartbeat's path)
-                self._rows[name] = replace(cached, **{k: bool(v) if k == "is_spare" else v for k, v in fields.items()})
-            else:
-                self._written(name)
-        if set(fields) - NO_NEWS:
-            self.changed((name,))
+        self.update_nodes({name: fields})
 
     def observe_node(self, name: str, **fields) -> None:
         """A heartbeat's observations (`OBSERVED` columns): in the owner's view at once, in SQLite at the next
@@ -332,7 +318,8 @@ class Store(EventRecords):
 
     def update_nodes(self, fields_by_node: dict[str, dict]) -> None:
         """`update_node` of many nodes: FLUSH_ROWS rows per transaction, the lock let go between them (one
-        autocommit per node, under the scheduler's lock, was 0.8 s of a tick at 4,096 nodes)."""
+        autocommit per node, under the scheduler's lock, was 0.8 s of a tick at 4,096 nodes). The owner's rows
+        take the values written, without reading them back (a heartbeat's path)."""
         names = list(fields_by_node)
         for start in range(0, len(names), FLUSH_ROWS):
             chunk = {n: fields_by_node[n] for n in names[start:start + FLUSH_ROWS]}
