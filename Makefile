@@ -39,7 +39,9 @@ system-deps:
 	  else echo "missing$$missing: install the Debian packages $(SYSTEM_PACKAGES) (as root), then run make test again" >&2; exit 1; fi; \
 	fi
 
-test: $(STAMP) system-deps
+# The Python and the Debian installs side by side (on a fresh CI machine each takes about a minute).
+test:
+	$(MAKE) --no-print-directory -j2 $(STAMP) system-deps
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 
 # Prometheus (the Debian package) scraping a running cluster's controller: `make observe [CLUSTER=name] [PORT=9090]`.

@@ -38,11 +38,12 @@ runner = CliRunner()
 
 # ---- fixtures and helpers ------------------------------------------------------------------------------
 def write_spec(dir: Path, *, name="c1", count=2, spares=1, script: str | None = "echo configured $PHALANX_NODE_NAME",
-               **top) -> Path:
+               worker_template=False, **top) -> Path:
     # no warm standbys: they are a checkpointless feature (tests/test_checkpointless.py), and on a 2-core CI host
-    # their torch imports would compete with the heartbeats these tests time
+    # their torch imports would compete with the heartbeats these tests time. No worker template either, unless
+    # asked: these tests run no worker, and each template imports torch (3.7 CPU-s; tests/test_template.py)
     group = {"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares,
-             "warm_standby": False}
+             "warm_standby": False, "worker_template": worker_template}
     if script is not None:
         (dir / "on_create.sh").write_text("#!/bin/sh\n" + script + "\n")
         group["on_create"] = "on_create.sh"
@@ -572,7 +573,7 @@ def test_a_controller_paused_past_the_heartbeat_timeout_does_not_judge_its_agent
 def test_delete_leaves_no_process_behind(tmp_path, home):
     # a lifecycle script that leaves a daemon running, as real ones do: it must die with its node
     script = 'sleep 300 &\necho $! > daemon.pid'
-    create_cluster(write_spec(tmp_path, count=1, spares=1, script=script), timeout_s=60)
+    create_cluster(write_spec(tmp_path, count=1, spares=1, script=script, worker_template=True), timeout_s=60)
     client = ClusterClient("c1")
     nodes = client.nodes()
     daemons = [int((Path(n["work_dir"]) / "daemon.pid").read_text()) for n in nodes]

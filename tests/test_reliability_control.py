@@ -38,7 +38,7 @@ PY = sys.executable
 def write_spec(dir: Path, *, name="c1", count=1, spares=0, script: str | None = None, executable=True,
                group_extra: dict | None = None, **top) -> Path:
     group = {"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": spares,
-             "warm_standby": False, **(group_extra or {})}
+             "warm_standby": False, "worker_template": False, **(group_extra or {})}  # no torch worker runs here
     if script is not None:
         path = dir / "on_create"
         path.write_text(script)
