@@ -107,6 +107,8 @@ class FakeBackend:
         self.launch_error: str | None = None  # launch raises OSError with this while set
         self.taken_by: dict[str, str] = {}  # node name → why its scheduler took it (what `taken` says)
         self.remediated: list[tuple[str, str]] = []  # (node name, fault cause) handed back to the scheduler
+        self.polls = True  # `polled`: as the local backend. False: as hosts, whose `gone` knows only the agents
+        self.told: set[str] = set()  # it told to terminate (an agent's end is otherwise heard only as silence)
         self._handles = itertools.count(1000)
         self._ports = itertools.count(29500)
 
@@ -131,12 +133,13 @@ class FakeBackend:
         return handle
 
     def gone(self, node: Node) -> str | None:
-        if node.name in self.running:
+        if node.name in self.running or not (self.polls or node.name in self.told):
             return None
         return self.ended.get(node.name, f"agent process {node.handle} is no longer running")
 
     def terminate(self, node: Node) -> None:
         self.calls.append(("terminate", node.name))
+        self.told.add(node.name)
         if node.name in self.running and node.name not in self.stubborn:
             self.end(node.name, f"agent process {node.handle} {describe_exit(0)}")
 
@@ -185,6 +188,9 @@ class FakeBackend:
 
     def flush(self) -> list[tuple[Node, str]]:
         return []
+
+    def polled(self) -> bool:
+        return self.polls
 
     def taken(self, node: Node) -> str | None:
         return self.taken_by.get(node.name)

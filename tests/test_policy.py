@@ -235,9 +235,11 @@ def test_a_member_that_never_registers_fails_creation_after_provision_timeout_s(
 
 
 # ---- node faults in service ----------------------------------------------------------------------------------------
-def test_an_agent_whose_link_closes_is_faulty_after_the_grace_not_the_heartbeat_timeout(make):
+@pytest.mark.parametrize("polls", [True, False], ids=["polled", "not-polled"])
+def test_an_agent_whose_link_closes_is_faulty_after_the_grace_not_the_heartbeat_timeout(make, polls):
     # backends whose agents are not the controller's children (hosts, Slurm) cannot say an agent ended: its link can
     c = make(count=2, spares=1).create()
+    c.backend.polls = polls  # not polled: the close itself brings the node back to the reconciler's eyes
     links = c.reconciler.links = AgentLinks()
     handle = c.node("workers-0").handle
     links.opened("workers-0", handle)
@@ -263,10 +265,14 @@ def test_an_agent_whose_link_closes_is_faulty_after_the_grace_not_the_heartbeat_
     c.run_until(lambda: c.transitions("workers-0")[-1] == "terminated", "workers-0 replaced")
 
 
+@pytest.mark.parametrize("polls", [True, False], ids=["polled", "not-polled"])
 @pytest.mark.parametrize("fault, reason", NODE_FAULTS, ids=NODE_FAULT_IDS)
-def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fault, reason):
+def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fault, reason, polls):
     c = make(count=2, spares=1).create()
+    c.backend.polls = polls  # not polled (hosts, Slurm between views): a killed agent is heard only as silence here
     kind, kw = fault
+    silent = kind == "freeze-node" or (kind == "kill-node" and not polls)  # (these fakes have no link to close)
+    reason = "no heartbeat for" if silent else reason
     injected_at = c.clock()
     last_heartbeat = c.node("workers-0").last_heartbeat
     c.inject_fault("workers-0", kind, **kw)
@@ -274,7 +280,7 @@ def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fa
     faulty = next(e for e in c.events(node="workers-0") if e["to_state"] == "faulty")
     assert reason in faulty["reason"], faulty["reason"]
     h = c.spec.health
-    if kind == "freeze-node":  # judged at the first tick past the heartbeat timeout, never before
+    if silent:  # judged at the first tick past the heartbeat timeout, never before
         assert h.heartbeat_timeout_s < faulty["time"] - last_heartbeat <= h.heartbeat_timeout_s + c.interval
     else:  # the next tick (kill-node), or the heartbeat after the agent's check ran (health faults)
         assert faulty["time"] - injected_at <= 2 * c.interval
@@ -292,6 +298,44 @@ def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fa
     assert "refilling spare pool" in c.events(node="workers-3")[0]["reason"]
     assert c.backend.launched() == ["workers-0", "workers-1", "workers-2", "workers-3"]
     assert c.status() == "in-service"
+
+
+def test_a_healthy_node_of_a_backend_not_polled_is_observed_when_its_row_changes_or_its_silence_is_due(make):
+    """Hosts, Slurm between its views: a healthy node whose agent only beats on its link (nothing new) is not
+    looked at every tick (4,096 of them were a quarter of a core), yet is judged as before: news at the next
+    tick, silence at the first tick past the timeout."""
+    c = make(count=4, spares=0).create()
+    c.backend.polls = False
+    observed: list[str] = []
+    observe = c.reconciler.observe
+    c.reconciler.observe = lambda node, now: (observed.append(node.name), observe(node, now))[1]
+    timeout = c.spec.health.heartbeat_timeout_s
+    for name in c.states():  # a full heartbeat from each: observed at the next tick
+        c.store.observe_node(name, last_heartbeat=c.clock())
+    c.reconciler.tick()
+    assert sorted(observed) == sorted(c.states())
+
+    def beats(names, seconds):  # the agents of `names` beat on their links (no full heartbeat), ticks between
+        for _ in range(round(seconds / c.interval)):
+            c.clock.advance(c.interval)
+            c.store.observe_beats({name: c.clock() for name in names})
+            c.reconciler.tick()
+
+    observed.clear()
+    beats(c.states(), 10 * timeout)  # 60 ticks: each node observed when its silence came due (about every timeout)
+    assert all(9 <= observed.count(name) <= 11 for name in c.states()), observed  # (observing all: 60 each)
+    assert set(c.states().values()) == {"healthy"}
+    observed.clear()
+    c.store.observe_node("workers-1", health={"ok": False, "checks": [
+        {"name": "disk", "status": "fail", "action": "replace-node", "detail": "disk full"}]})
+    c.reconciler.tick()
+    assert observed == ["workers-1"] and "faulty" in c.transitions("workers-1")
+    quiet_since = c.clock()
+    beats(["workers-0", "workers-3"], 2 * timeout)  # workers-2 goes silent
+    faulty = next(e for e in c.events(node="workers-2") if e["to_state"] == "faulty")
+    assert "no heartbeat for" in faulty["reason"]
+    assert timeout < faulty["time"] - quiet_since <= timeout + c.interval
+    assert state(c, "workers-0") == state(c, "workers-3") == "healthy"
 
 
 def test_a_node_its_scheduler_takes_is_replaced_and_every_fault_is_handed_back_to_the_backend(make):

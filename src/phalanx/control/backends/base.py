@@ -68,6 +68,12 @@ class Backend(Protocol):
         """End of a reconciler tick: start what `launch` queued (the slurm backend submits one allocation for
         the nodes of one tick). The nodes that could not be started, each with why."""
 
+    def polled(self) -> bool:
+        """Whether `gone` and `taken` must be asked about every node at this reconciler tick: True when their
+        answers change by themselves (local: an agent process exits; Slurm: a fresh view of its nodes); False
+        when they change only with what the reconciler hears anyway (a heartbeat, a link's close, a terminate it
+        asked for), and a healthy node is then observed only when its row changed or its silence is due."""
+
     def taken(self, node: Node) -> str | None:
         """Why the node's scheduler took it away or will not give it (Slurm: drained or down from outside, its
         job ended, its allocation pending too long); None while it holds (and for backends without one)."""

@@ -116,6 +116,9 @@ class HostsBackend:
     def flush(self) -> list[tuple[Node, str]]:
         return []  # launch started each node already
 
+    def polled(self) -> bool:
+        return False  # `gone`: a terminate asked for, a link's close, a heartbeat (what the reconciler hears)
+
     def taken(self, node: Node) -> str | None:
         return None  # no scheduler takes nodes away
 

@@ -241,6 +241,9 @@ class LocalBackend:
     def flush(self) -> list[tuple[Node, str]]:
         return []  # launch started each node already
 
+    def polled(self) -> bool:
+        return True  # `gone` asks the agent processes themselves
+
     def taken(self, node: Node) -> str | None:
         return None  # no scheduler takes nodes away
 

@@ -67,6 +67,7 @@ class SlurmBackend(HostsBackend):
         self._steps: dict[tuple, subprocess.Popen] = {}  # (allocation, group) → the srun of its agents (cluster up)
         self._allocation_groups: set[str] = set()  # groups whose first nodes run in the allocation
         self._allocation_used = 0  # its nodes given to groups so far
+        self._judged: SlurmView | None = None  # the view `polled` last said was new
 
     # ---- starting nodes -----------------------------------------------------------------------------
     def launch(self, node: Node) -> None:
@@ -164,6 +165,11 @@ class SlurmBackend(HostsBackend):
         """(job id, Slurm node name) of a joined node, from its handle `slurm:<job>:<node>:<pid>`."""
         parts = (node.handle or "").split(":")
         return (parts[1], parts[2]) if len(parts) == 4 and parts[0] == "slurm" else None
+
+    def polled(self) -> bool:
+        """Once per fresh view of Slurm (`taken` reads it), and as the hosts backend otherwise."""
+        fresh, self._judged = self.poller.view is not self._judged, self.poller.view
+        return fresh
 
     def taken(self, node: Node) -> str | None:
         view = self.poller.view

@@ -6,7 +6,9 @@ Each tick:
   observe   advance every node from the agents' reports (registered → configuring → health-checking →
             healthy) or mark it faulty: agent process gone, taken by its scheduler (Slurm), no heartbeat
             within heartbeat_timeout_s (timed from the later of the last heartbeat and this controller's
-            start), lifecycle script failed, health check failed, never registered within provision_timeout_s
+            start), lifecycle script failed, health check failed, never registered within provision_timeout_s.
+            A healthy node is observed only when something of it may have changed (`_to_observe`), unless the
+            backend's own checks must be polled (local: every node, every tick)
   creation  while the cluster is `creating`: any faulty node fails the creation (everything is stopped);
             all nodes healthy → `in-service`
   jobs      `JobScheduler.observe`: finish, stop or classify job generations (a hang marks its node faulty)
@@ -25,6 +27,7 @@ processes only through the backend.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from typing import Callable
@@ -57,6 +60,8 @@ class Reconciler:
         self.request_exit = request_exit  # stop every node and exit the controller, with a reason
         self._said: set[str] = set()  # "waiting" lines already logged (log once, not every tick)
         self._heard: float | None = None  # until when the server's loop had read agents' messages (`tick`)
+        self._due: list[tuple[float, str]] = []  # heap of (when, node): when a healthy node is looked at again
+        self._next: dict[str, float] = {}  # node → its earliest time in `_due` (later entries of it are stale)
 
     def tick(self) -> None:
         # what the server's loop had read when the tick began: every beat read by then is folded next, and silence
@@ -69,9 +74,11 @@ class Reconciler:
         if status not in (ClusterStatus.CREATING, ClusterStatus.IN_SERVICE, ClusterStatus.DEGRADED):
             return
         now = self.clock()
-        for node in self.store.nodes(include_terminated=False):
+        timeout_s = self.spec.health.heartbeat_timeout_s
+        for node in self._to_observe(now):
             if node.state not in (S.FAULTY, S.REPLACING):  # already judged; recover/retire take them on
                 self.observe(node, now)
+                self._wake(node.name, max(node.last_heartbeat or 0.0, self.started_at) + timeout_s)  # its silence
         if self.deep is not None and self.deep.enabled:
             self.judge_deep_checks(now)
         if status == ClusterStatus.CREATING:
@@ -88,6 +95,34 @@ class Reconciler:
         self.refill(creating=status == ClusterStatus.CREATING)
         for node, why in self.backend.flush():  # Slurm: one allocation for the nodes provisioned this tick
             self.fault(self.store.node(node.name) or node, f"could not start the agent: {why}", "agent-start-failed")
+
+    def _to_observe(self, now: float) -> list[Node]:
+        """The live nodes to observe now. All of them when the backend's `gone`/`taken` must be polled (`polled`);
+        otherwise a healthy node only when its row changed (a heartbeat with news, a transition, an update), its
+        silence or its link's close (past `link_grace_s`) comes due, or it was not observed yet. Observing each of
+        4,096 healthy nodes at every tick took a quarter of a core of the controller (benchmarks/control_scale.py)."""
+        nodes = self.store.nodes(include_terminated=False)
+        touched, polled = self.store.take_touched(), self.backend.polled()
+        grace = self.spec.health.link_grace_s
+        for name, at in self.links.take_closes() if self.links is not None else ():
+            if grace is not None:
+                self._wake(name, at + grace)
+        due = set()
+        while self._due and self._due[0][0] <= now:
+            at, name = heapq.heappop(self._due)
+            if self._next.get(name) == at:
+                del self._next[name]
+                due.add(name)
+        if polled:
+            return nodes
+        return [n for n in nodes if n.state != S.HEALTHY or n.name in touched or n.name in due
+                or n.name not in self._next]
+
+    def _wake(self, name: str, at: float) -> None:
+        """Observe node `name` again at `at` (or sooner, if already due sooner)."""
+        if at < self._next.get(name, float("inf")):
+            self._next[name] = at
+            heapq.heappush(self._due, (at, name))
 
     def _fold_beats(self) -> None:
         """The beats agents send on their links (`server/links.py`) are heartbeats with nothing new: each agent's

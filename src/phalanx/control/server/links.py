@@ -46,6 +46,7 @@ class AgentLinks:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], int] = {}  # (node, handle) → links open
         self._closed: dict[tuple[str, str], float] = {}  # (node, handle) → when its last link closed
+        self._closes: list[tuple[str, float]] = []  # (node, when) of the closes since `take_closes`
         self.stopped = asyncio.Event()  # set on the server's loop (`stop`): every link ends, none opens
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beats: dict[tuple[str, str], float] = {}  # (node, handle) → its newest beat since `take_beats`
@@ -96,6 +97,14 @@ class AgentLinks:
             else:
                 self._open.pop((node, handle), None)
                 self._closed[(node, handle)] = at
+                self._closes.append((node, at))
+
+    def take_closes(self) -> list[tuple[str, float]]:
+        """(node, when) of every agent's last link that closed since the last call: the reconciler looks at each
+        node again once `lost` may say so."""
+        with self._lock:
+            closes, self._closes = self._closes, []
+        return closes
 
     def lost(self, node: str, handle: str | None, last_heartbeat: float | None, now: float,
              grace_s: float | None) -> float | None:

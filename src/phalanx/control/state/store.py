@@ -55,6 +55,7 @@ class Store(EventRecords):
         self._rows: dict[str, Node] | None = None  # owner: name → Node, loaded on the first read
         self._order: list[str] | None = None  # owner: names by (created_at, name), rebuilt when a node is added
         self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite
+        self._touched: set[str] = set()  # owner: nodes whose row changed since `take_touched`, but by a beat
         self._flushed_at = float("-inf")  # (time.monotonic) the last flush_observed that wrote
         self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
         self.job_memo: dict | None = {} if owner else None  # owner: `JobRecords`' reads, until its next write
@@ -243,6 +244,7 @@ class Store(EventRecords):
             if self._observed.get(name):  # its heartbeat's observations first: the row read back must hold them
                 self._write_observed({name: self._observed.pop(name)})
             row = self._db.execute("SELECT * FROM nodes WHERE name=?", (name,)).fetchone()
+            self._touched.add(name)
             if row is None:
                 self._rows.pop(name, None)
             else:
@@ -266,9 +268,16 @@ class Store(EventRecords):
                 self.update_node(name, **fields)
                 return
             self._rows[name] = with_fields(cached, fields)
+            self._touched.add(name)
             # a JSON column equal to the row's is in SQLite or pending already: not encoded again at the flush
             self._observed.setdefault(name, {}).update(
                 {k: v for k, v in fields.items() if k not in JSON_COLUMNS or v != getattr(cached, k)})
+
+    def take_touched(self) -> set[str]:
+        """The owner's nodes whose rows changed since the last call, other than by `observe_beats`."""
+        with self._lock:
+            touched, self._touched = self._touched, set()
+        return touched
 
     def observe_beats(self, beats: dict[str, float]) -> None:
         """`observe_node(name, last_heartbeat=at)` for many nodes under one lock (the agents' beats, folded at a
@@ -332,6 +341,7 @@ class Store(EventRecords):
                 for name, fields in chunk.items():
                     cached = self._rows.get(name) if self._owner and self._rows is not None else None
                     if cached is not None:
+                        self._touched.add(name)
                         self._rows[name] = with_fields(cached, {k: bool(v) if k == "is_spare" else v
                                                                 for k, v in fields.items()})
                     else:
