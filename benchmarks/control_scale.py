@@ -1,8 +1,8 @@
 """The control plane at scale: the real controller against N simulated agents.
 
 For each N in `--nodes` (default 64, 256, 1024): `phalanx cluster create` of a `backend: hosts` cluster of N
-nodes (one group, no spares) on loopback, and N simulated agents in one asyncio loop — no torch in the agents, no
-processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
+nodes (one group, no spares) on loopback, and N simulated agents in one event loop (uvloop; `--agents-loop
+asyncio`) — no torch in the agents, no processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
 `heartbeat_interval_s` (0.5 s, the default; `--heartbeat-interval S` sets it, and the timeout to 6 × S) with the body a real agent sends (phase, lifecycle, health,
 workers, address, free ports), and each holds its link open (`GET /v1/nodes/{name}/link`) as a real agent does. The controller, its reconciler and SQLite are the real ones. Measured:
 
@@ -52,6 +52,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, write_results  # noqa: E402
@@ -516,6 +518,9 @@ def main() -> None:
     parser.add_argument("--heartbeat-interval", type=float, help="the agents' heartbeat period (timeout: 6 ×); "
                         "default: the spec's (0.5 s, timeout 3 s)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--agents-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                        help="the simulated agents' event loop (uvloop since 2026-11-29: the agents take less of the "
+                        "cores the controller shares; asyncio is what every earlier result used)")
     parser.add_argument("--timeline", type=Path, help="write each heartbeat of the idle and busy windows (sent at, "
                         "seconds from the busy window's start; answered after, seconds) to TIMELINE_<N>.json")
     args = parser.parse_args()
@@ -526,7 +531,9 @@ def main() -> None:
         for n in args.nodes:
             try:
                 timeline = args.timeline.with_name(f"{args.timeline.stem}_{n}.json") if args.timeline else None
-                rows.append(asyncio.run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline)))
+                run = uvloop.run if args.agents_loop == "uvloop" else asyncio.run
+                rows.append({**run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline)),
+                             "agents_loop": args.agents_loop})
             except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
                 reason = str(err).splitlines()[0][:300]
                 print(f"N={n}: failed: {reason}", flush=True)
