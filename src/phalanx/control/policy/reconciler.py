@@ -102,7 +102,7 @@ class Reconciler:
         silence or its link's close (past `link_grace_s`) comes due, or it was not observed yet. Observing each of
         4,096 healthy nodes at every tick took a quarter of a core of the controller (benchmarks/control_scale.py)."""
         nodes = self.store.nodes(include_terminated=False)
-        touched, polled = self.store.take_touched(), self.backend.polled()
+        touched, polled = self.store.take_touched(), self.backend.polled() or not self.store.owner  # (owner: touched)
         grace = self.spec.health.link_grace_s
         for name, at in self.links.take_closes() if self.links is not None else ():
             if grace is not None:
