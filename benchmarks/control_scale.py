@@ -226,7 +226,7 @@ class SimAgent:
                         break
                     self.apply(reply)
                     self.full_at, self.said = time.monotonic() - random.random() * self.full_every / 2, news
-            wait = (self.next_s or self.interval) - (time.monotonic() - start)
+            wait = min(self.next_s or self.interval, self.interval) - (time.monotonic() - start)
             if wait > 0:
                 try:
                     await asyncio.wait_for(self.poked.wait(), wait)  # a poke: heartbeat at once

@@ -591,6 +591,28 @@ def test_agents_of_a_job_changing_generation_are_asked_to_heartbeat_sooner_until
     assert "next_heartbeat_s" not in c.agents["workers-2"].replies[-1]
 
 
+def test_a_hurry_stretched_to_the_interval_or_past_it_is_not_asked(make, monkeypatch):
+    """The hurried poll is stretched with the generation's size (at most FAST_POLL_PER_S heartbeats a second); past
+    the interval it would slow the agents down instead: 4,096 nodes at 1,000 a second is 4.1 s, beyond the default
+    heartbeat_timeout_s of 3 s, and every agent obeying it was judged silent at its job's launch."""
+    from phalanx.control.policy import assignments
+
+    c = make(count=2, spares=1).create()
+    monkeypatch.setattr(assignments, "FAST_POLL_PER_S", 2 / (1.5 * c.interval))  # 2 nodes: 1.5 intervals
+    job = c.submit(nodes=2, auto_resume=True)
+    running(c, job.id, 1)
+    survivor = c.agents["workers-0"]
+    seen = len(survivor.replies)
+    c.inject_fault("workers-1", "kill-node")
+    c.run_until(lambda: len(c.generations(job.id)) == 2, "generation 2")
+    running(c, job.id, 2)
+    assert len(survivor.replies) > seen and all("next_heartbeat_s" not in r for r in survivor.replies[seen:])
+    monkeypatch.setattr(assignments, "FAST_POLL_PER_S", 2 / (0.5 * c.interval))  # half an interval: asked
+    c.inject_fault("workers-2", "kill-node")
+    c.run_until(lambda: len(c.generations(job.id)) == 3, "generation 3")
+    assert 0.5 * c.interval in [r.get("next_heartbeat_s") for r in survivor.replies[seen:]]
+
+
 def test_a_node_fault_without_auto_resume_fails_the_job_and_the_node_is_still_replaced(make):
     c = make(count=2, spares=1).create()
     job = c.submit(nodes=2)

@@ -324,7 +324,7 @@ class Agent:
                     self.exit_reason = f"controller does not know node {self.name} ({err.detail})"
                     break
                 log.error("heartbeat refused (%s); retrying in %g s", err, self.interval)
-            self.wake.wait(self.next_heartbeat_s or self.interval)
+            self.wake.wait(min(self.next_heartbeat_s or self.interval, self.interval))  # (sooner, never later)
         session.close()
         self.shutdown()
         return 0

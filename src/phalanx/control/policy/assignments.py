@@ -115,8 +115,10 @@ class Assignments:
         old generation, then to hear of the new one — up to an interval each. A node is hurried while its job's
         generation is stopping, while the job waits to relaunch (up to HURRY_S; a spare of its group too: it may
         be the replacement), and from a launch until the node reports its workers (up to HURRY_S). The poll is
-        stretched so that the hurried nodes send at most FAST_POLL_PER_S heartbeats a second; None: the
-        interval."""
+        stretched so that the hurried nodes send at most FAST_POLL_PER_S heartbeats a second, and is never asked
+        when stretched to the interval or past it (a generation of 4,096 nodes: 4.1 s, which at the default 0.5 s
+        interval left every agent silent past heartbeat_timeout_s); None: the interval."""
+        interval = self.spec.health.heartbeat_interval_s
         with self.lock:
             for job in self.records.jobs(ACTIVE):
                 gen = self.records.generation(job.id, job.generation)
@@ -133,7 +135,8 @@ class Assignments:
                         job.id, gen.generation, protocol.rank_of(gen.node_index, node.name, 0, job.workers_per_node),
                         job.workers_per_node)
                 if hurry:
-                    return max(FAST_POLL_S, len(gen.nodes) / FAST_POLL_PER_S)
+                    poll = max(FAST_POLL_S, len(gen.nodes) / FAST_POLL_PER_S)
+                    return poll if poll < interval else None
         return None
 
     def standby_wanted(self, node: Node) -> int:
