@@ -85,7 +85,7 @@ from phalanx import protocol
 from phalanx.control.backends.base import Backend
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.policy.inplace import MAX_FAILED_REGROUPS
-from phalanx.control.policy.reconciler import MAX_PROVISION_FAILURES, TERMINATE_GRACE_S
+from phalanx.control.policy.reconciler import MASS_SILENCE_MIN, MAX_PROVISION_FAILURES, TERMINATE_GRACE_S
 from phalanx.control.server.links import AgentLinks
 from phalanx.control.state.jobs import JobState
 from phalanx.control.state.store import NodeState, Store
@@ -409,6 +409,47 @@ def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace_period(make):
     c.step()
     assert state(c, "workers-0") == "terminated"
     assert "killed by SIGKILL" in c.node("workers-0").reason
+
+
+@pytest.mark.parametrize("polls", [True, False], ids=["polled", "not-polled"])
+def test_many_nodes_silent_at_once_are_not_judged_until_the_others_are_heard_again(make, polls):
+    """More than health.mass_silence_fraction of the nodes (and at least MASS_SILENCE_MIN) silent past the timeout
+    at once reads as the controller's own load or network: none is faulty, and a running job goes on. The ones still
+    silent once the rest are heard again are judged then; below the minimum each node is judged alone."""
+    c = make(count=10, spares=0)
+    c.backend.polls = polls
+    c.create()
+    job = c.submit(nodes=10)
+    running(c, job.id, 1, ranks=10)
+    frozen = [f"workers-{i}" for i in range(MASS_SILENCE_MIN)]  # 8 of 10
+    for name in frozen:
+        c.inject_fault(name, "freeze-node")
+    c.steps(int(3 * c.spec.health.heartbeat_timeout_s / c.interval))
+    assert set(c.states().values()) == {"healthy"} and c.job(job.id).state == J.RUNNING
+    (said,) = [e["reason"] for e in c.events() if "at once" in (e["reason"] or "")]
+    assert said.startswith("8 of 10 nodes silent past heartbeat_timeout_s=3 at once") and "none is judged" in said
+    for name in frozen[1:]:  # heard again, but workers-0
+        c.backend.frozen.discard(name)
+    c.run_until(lambda: state(c, "workers-0") != "healthy", "workers-0 judged once the others are heard")
+    assert "no heartbeat for" in faulty_reason(c, "workers-0")
+    assert all(state(c, n) == "healthy" for n in frozen[1:])
+    gen1 = c.run_until(lambda: (g := c.generations(job.id)[0]).outcome and g, "generation 1 ended")
+    assert gen1.outcome == "node-fault" and "node workers-0 faulty" in gen1.end_reason, "on workers-0 alone"
+
+
+@pytest.mark.parametrize("health,frozen,judged", [
+    ({}, MASS_SILENCE_MIN - 1, "fewer than MASS_SILENCE_MIN: each alone"),
+    ({}, 5, "half of 10 is not more than half"),
+    ({"mass_silence_fraction": None}, 9, "null: each alone"),
+])
+def test_silence_below_the_mass_rule_is_judged_node_by_node(make, health, frozen, judged):
+    c = make(count=10, spares=0, health=health).create()
+    names = [f"workers-{i}" for i in range(frozen)]
+    for name in names:
+        c.inject_fault(name, "freeze-node")
+    c.run_until(lambda: all(state(c, n) != "healthy" for n in names), f"every frozen node judged ({judged})")
+    assert all("no heartbeat for" in faulty_reason(c, n) for n in names)
+    assert not [e for e in c.events() if "at once" in (e["reason"] or "")]
 
 
 def test_a_restarted_controller_counts_heartbeat_silence_from_its_own_start(make):

@@ -3,23 +3,22 @@ store and the backend observe, and takes the next step. Nothing is remembered be
 in SQLite, so a restarted controller picks up exactly where the last one stopped.
 
 Each tick:
-  observe   advance every node from the agents' reports (registered → configuring → health-checking →
-            healthy) or mark it faulty: agent process gone, taken by its scheduler (Slurm), no heartbeat
-            within heartbeat_timeout_s (timed from the later of the last heartbeat and this controller's
-            start), lifecycle script failed, health check failed, never registered within provision_timeout_s.
-            A healthy node is observed only when something of it may have changed (`_to_observe`), unless the
-            backend's own checks must be polled (local: every node, every tick)
-  creation  while the cluster is `creating`: any faulty node fails the creation (everything is stopped);
-            all nodes healthy → `in-service`
+  observe   advance nodes from the agents' reports (registered → configuring → health-checking → healthy) or
+            mark them faulty: agent process gone, taken by its scheduler (Slurm), no heartbeat within
+            heartbeat_timeout_s (from the later of the last heartbeat and this controller's start; not when too
+            many fall silent at once: `_judge_silence`), lifecycle script or health check failed, not registered
+            within provision_timeout_s. A healthy node is observed only when something of it may have changed
+            (`_to_observe`), unless the backend's own checks must be polled (local: every node, every tick)
+  creation  while `creating`: any faulty node fails the creation (everything is stopped); all healthy → in service
   jobs      `JobScheduler.observe`: finish, stop or classify job generations (a hang marks its node faulty)
   recover   node_recovery=automatic: a faulty member is replaced by a healthy spare of its group (the spare
             becomes a member), or, in a group without spares, by a freshly provisioned node; a faulty spare
             is retired. node_recovery=none: faulty nodes stay for the operator
   jobs      `JobScheduler.advance`: start the next generation of pending/recovering jobs on healthy nodes
   retire    replacing nodes: SIGTERM, SIGKILL after a grace period, then terminated
-  refill    provision nodes until every group has `count` members and `spares` spares; the backend starts
-            them (`flush`: Slurm gets one allocation for the nodes of one tick). Spares wait while a job
-            relaunched after a fault has not made its first step (at most REFILL_HOLD_S)
+  refill    provision nodes until every group has `count` members and `spares` spares (`flush`: Slurm gets one
+            allocation for a tick's nodes); spares wait while a job relaunched after a fault has not made its
+            first step (at most REFILL_HOLD_S)
 
 One log line per fault says what happened and what happens next. Knows nothing about HTTP; reaches
 processes only through the backend.
@@ -44,6 +43,7 @@ TERMINATE_GRACE_S = 5.0
 # (a checkpointless recovery took longer with them); elsewhere a refill takes far longer than the wait anyway.
 REFILL_HOLD_S = 10.0
 MAX_PROVISION_FAILURES = 3
+MASS_SILENCE_MIN = 8  # nodes silent at once before `health.mass_silence_fraction` may hold their judgment
 
 
 class Reconciler:
@@ -62,6 +62,7 @@ class Reconciler:
         self._heard: float | None = None  # until when the server's loop had read agents' messages (`tick`)
         self._due: list[tuple[float, str]] = []  # heap of (when, node): when a healthy node is looked at again
         self._next: dict[str, float] = {}  # node → its earliest time in `_due` (later entries of it are stale)
+        self._silent: list[tuple[Node, float]] = []  # (node, seconds) silent past the timeout at this tick
 
     def tick(self) -> None:
         # what the server's loop had read when the tick began: every beat read by then is folded next, and silence
@@ -79,6 +80,7 @@ class Reconciler:
             if node.state not in (S.FAULTY, S.REPLACING):  # already judged; recover/retire take them on
                 self.observe(node, now)
                 self._wake(node.name, max(node.last_heartbeat or 0.0, self.started_at) + timeout_s)  # its silence
+        self._judge_silence()
         if self.deep is not None and self.deep.enabled:
             self.judge_deep_checks(now)
         if status == ClusterStatus.CREATING:
@@ -126,8 +128,7 @@ class Reconciler:
 
     def _fold_beats(self) -> None:
         """The beats agents send on their links (`server/links.py`) are heartbeats with nothing new: each agent's
-        newest goes into its node's `last_heartbeat`, where silence is judged. Not a beat of an agent the node
-        is no longer run by, nor one before the agent's first full heartbeat."""
+        newest is its node's `last_heartbeat` (not an agent's the node is no longer run by, nor before its first)."""
         if self.links is None:
             return
         folded, beats = {}, self.links.take_beats()
@@ -174,8 +175,7 @@ class Reconciler:
         heard = now if self._heard is None else min(now, self._heard)  # (not the controller's own stall)
         silent = heard - max(node.last_heartbeat, self.started_at)
         if silent > h.heartbeat_timeout_s:
-            return self.fault(node, f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})",
-                              "heartbeat-timeout")
+            return self._silent.append((node, silent))  # judged once every node is observed (`_judge_silence`)
         lifecycle = report.get("lifecycle")
         if report.get("phase") == "failed":  # the lifecycle script failed, or the agent hit an error
             detail = (lifecycle or {}).get("detail") or "agent reported its bring-up failed"
@@ -198,8 +198,28 @@ class Reconciler:
             self._count_failed_checks(health)
             self.fault(node, f"health check failed: {summarize_failure(health)}", "health-check")
 
-    def _count_failed_checks(self, health: dict) -> None:
-        """One count per check that failed the node (counted once: the node is faulty from here on)."""
+    def _judge_silence(self) -> None:
+        """The nodes silent past heartbeat_timeout_s at this tick are faulty, unless more than mass_silence_fraction
+        of the nodes that heartbeat (and MASS_SILENCE_MIN) are: hosts die one by one, so many at once is the
+        controller's own load or network (Kubernetes' node controller stops evicting in a full disruption too).
+        They are judged again each tick; the ones still silent once the others are heard are faulty."""
+        silent, self._silent, h = self._silent, [], self.spec.health
+        if h.mass_silence_fraction is not None and len(silent) >= MASS_SILENCE_MIN:
+            heard = sum(1 for n in self.store.nodes(include_terminated=False)
+                        if n.last_heartbeat is not None and n.state not in (S.FAULTY, S.REPLACING))
+            if len(silent) > h.mass_silence_fraction * heard:
+                return self._say_once("mass-silence", f"{len(silent)} of {heard} nodes silent past heartbeat_"
+                                      f"timeout_s={h.heartbeat_timeout_s:g} at once: the controller's own load or "
+                                      f"network more likely than that many hosts; none is judged faulty (health."
+                                      f"mass_silence_fraction={h.mass_silence_fraction:g}); next: judged each tick")
+        if "mass-silence" in self._said:
+            self._said.discard("mass-silence")
+            log.warning("nodes heard again; %d still silent past heartbeat_timeout_s are judged", len(silent))
+        for node, seconds in silent:
+            self.fault(node, f"no heartbeat for {seconds:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})",
+                       "heartbeat-timeout")
+
+    def _count_failed_checks(self, health: dict) -> None:  # once per check that failed the node (it is faulty now)
         for c in health["checks"]:
             if c["status"] == "fail" and c.get("action") == REPLACE_NODE:
                 self.store.count("health_check_failures", c["name"])
@@ -237,13 +257,10 @@ class Reconciler:
     def _next_step(self, node: Node) -> str:
         if ClusterStatus(self.store.cluster()["status"]) == ClusterStatus.CREATING:
             return "cluster creation fails and every node is stopped"
-        if node.is_spare:
-            return "retire it and provision a fresh spare"
-        if self.spec.node_recovery == "none":
-            return "node_recovery=none, leaving it for the operator"
-        if self.spec.group(node.group).spares == 0:
-            return "replace it with a freshly provisioned node (group has no spares)"
-        return "replace it with a healthy spare"
+        return ("retire it and provision a fresh spare" if node.is_spare else
+                "node_recovery=none, leaving it for the operator" if self.spec.node_recovery == "none" else
+                "replace it with a freshly provisioned node (group has no spares)"
+                if self.spec.group(node.group).spares == 0 else "replace it with a healthy spare")
 
     def _reset_failures(self, group: str) -> None:
         self.store.update_group(group, provision_failures=0)
