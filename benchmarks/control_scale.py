@@ -13,6 +13,8 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
                hb_failed (hb_failed_total: over the whole run); its agent goes on, as a real one does
   cpu          the controller process's CPU seconds per second over that window (1.0 = one core); and the
                simulated agents' (this process: at 1.0 their own loop is late, and so are the latencies it times)
+  agents lag   how late the simulated agents' loop ran a 10 ms timer over each window, p50 / p99: a lag near the
+               heartbeat latencies says they are the simulator's own (it shares the machine with the controller)
   scrape       GET /metrics, median of 5
   schedule     a command job on all N nodes submitted → the last agent's heartbeat reply carries its
                assignment
@@ -28,7 +30,7 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
                link's close tells the controller (`health.link_grace_s`, 0.5 s), not the timeout
 
 Writes benchmarks/results/control_scale.json (summary per N: ready_s, hb_p50_ms, hb_p99_ms, hb_rate_ratio,
-cpu_cores, agents_cpu_cores, scrape_ms, schedule_s, busy_hb_p50_ms, busy_hb_p99_ms, busy_cpu_cores, stop_s,
+cpu_cores, agents_cpu_cores, agents_lag_p99_ms, busy_agents_lag_p99_ms, scrape_ms, schedule_s, busy_hb_p50_ms, busy_hb_p99_ms, busy_cpu_cores, stop_s,
 detect_s, detect_excess_s, detect_gone_s).
 
     PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes 64 256 1024
@@ -264,6 +266,7 @@ class Bench:
         self.recording = False
         self.latencies: list[float] = []
         self.timeline: list[tuple[float, float]] = []  # (sent at, time.monotonic; seconds to the answer), recorded
+        self.lags: list[float] = []  # how late the simulator's own loop ran a 10 ms timer, recorded (`sample_lag`)
         self.beats = 0
         self.failures = 0  # heartbeats unanswered twice (`Conn.request`), while recording
         self.failures_total = 0  # over the whole run: the creation, the stop and the detections too
@@ -282,6 +285,22 @@ class Bench:
     def beat(self) -> None:
         if self.recording:
             self.beats += 1
+
+
+async def sample_lag(bench: Bench) -> None:
+    """The simulated agents' loop timing itself: a heartbeat's round trip includes how late this loop is to read
+    its answer, so a lag near the latencies says they are the simulator's, not the controller's."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(0.01)
+        if bench.recording:
+            bench.lags.append(max(0.0, loop.time() - start - 0.01))
+
+
+def percentile_ms(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return round(1000 * values[int(q * (len(values) - 1))], 2) if values else None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -377,6 +396,7 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
             raise
 
     tasks = [asyncio.create_task(join_and_run(a)) for a in agents]
+    lag_task = asyncio.create_task(sample_lag(bench))
     while creator.is_alive():
         await asyncio.sleep(0.1)
     if "info" not in created:
@@ -393,7 +413,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     cpu1, own1, t1 = cpu_seconds(pid), time.process_time(), time.monotonic()
     bench.recording = False
     idle_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
-    lat, beats, failures = sorted(bench.latencies), bench.beats, bench.failures
+    lat, beats, failures, lags = sorted(bench.latencies), bench.beats, bench.failures, list(bench.lags)
+    bench.lags.clear()
     rate = (len(lat) + beats) / (t1 - t0) / (n / interval)  # (a beat on the link stands for a heartbeat)
 
     scrapes = [(await loop.run_in_executor(None, http_get, f"{url}/metrics", token))[0] for _ in range(5)]
@@ -431,7 +452,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     busy_cpu = (cpu_seconds(pid) - busy_cpu0) / (time.monotonic() - busy_t0)
     bench.recording = False
     busy_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
-    busy, busy_beats, busy_failures = sorted(bench.latencies), bench.beats, bench.failures
+    busy, busy_beats, busy_failures, busy_lags = sorted(bench.latencies), bench.beats, bench.failures, bench.lags
+    lag_task.cancel()
     if timeline is not None:  # each heartbeat answered in the idle and busy windows: when it was sent, how long it took
         timeline.write_text(json.dumps({"nodes": n, "interval_s": interval, "busy_from_s": 0.0, "heartbeats": [
             [round(sent - busy_t0, 4), round(took, 4)] for sent, took in bench.timeline]}))
@@ -498,6 +520,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
            "hb_p50_ms": round(1000 * lat[len(lat) // 2], 2), "hb_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
            "hb_rate_ratio": round(rate, 3), "cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
            "agents_cpu_cores": round((own1 - own0) / (t1 - t0), 3),
+           "agents_lag_p50_ms": percentile_ms(lags, 0.5), "agents_lag_p99_ms": percentile_ms(lags, 0.99),
+           "busy_agents_lag_p99_ms": percentile_ms(busy_lags, 0.99),
            "scrape_ms": round(1000 * statistics.median(scrapes), 2), "schedule_s": round(schedule, 3),
            "busy_hb_p50_ms": round(1000 * busy[len(busy) // 2], 2) if busy else None,
            "busy_hb_p99_ms": round(1000 * busy[int(0.99 * (len(busy) - 1))], 2) if busy else None,
@@ -556,7 +580,8 @@ def main() -> None:
               f"{r['busy_hb_p50_ms']!s:>9} {r['busy_hb_p99_ms']!s:>9} {r['busy_cpu_cores']:>8} {r['stop_s']!s:>7} "
               f"{r['detect_s']!s:>9} {r['detect_gone_s']!s:>7}")
     summary = {f"{k}_{r['nodes']}": r[k] for r in rows if "error" not in r for k in (
-        "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "agents_cpu_cores", "scrape_ms",
+        "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "agents_cpu_cores", "agents_lag_p99_ms",
+        "busy_agents_lag_p99_ms", "scrape_ms",
         "schedule_s", "busy_hb_p50_ms", "busy_hb_p99_ms", "busy_cpu_cores", "stop_s", "detect_s", "detect_excess_s",
         "detect_gone_s", "hb_failed", "busy_hb_failed", "hb_failed_total")}
     write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,
