@@ -452,6 +452,28 @@ def test_silence_below_the_mass_rule_is_judged_node_by_node(make, health, frozen
     assert not [e for e in c.events() if "at once" in (e["reason"] or "")]
 
 
+def test_a_cluster_status_change_or_a_wait_pokes_no_agent_and_a_delete_pokes_every_one(make):
+    """A poke asks agents for a full heartbeat now (`server/links.py`); at 4,096 nodes a poke to every agent is 4,096
+    of them, paced over 4 s. The cluster's status changes no reply until it ends (the agents then terminate), nor
+    does a wait: neither pokes. (The in-service transition poked every agent, into the benchmark's idle window.)"""
+    from phalanx.control.state.store import ClusterStatus
+    from phalanx.observability.events import EventKind
+
+    c = make(count=2, spares=1).create()
+    told = []
+    c.store.on_change = told.append
+    c.store.set_status(ClusterStatus.DEGRADED, "members not healthy: workers-1 faulty")
+    c.store.set_status(ClusterStatus.IN_SERVICE, "every member node healthy")
+    c.store.record_event(EventKind.WAITING, "group workers waits for capacity")
+    assert told == []
+    c.store.record_event(EventKind.PROMOTED, "spare promoted", node="workers-2")
+    assert told == [("workers-2",)]
+    c.store.set_status(ClusterStatus.DELETING, "cluster delete requested")
+    assert told[1:] == [None], "every agent"
+    c.step()
+    assert all(a.replies[-1]["action"] == "terminate" for a in c.agents.values())
+
+
 def test_a_restarted_controller_counts_heartbeat_silence_from_its_own_start(make):
     c = make(count=2, spares=1).create()
     c.clock.advance(10)  # the controller was down: no heartbeat for 10 s, far past heartbeat_timeout_s

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from phalanx.control.state.store import ClusterStatus, Node, NodeState, Store
+from phalanx.control.state.store import ENDED, Node, NodeState, Store
 from phalanx.protocol import PROTOCOL_VERSION
 from phalanx.protocol.messages import Heartbeat, HeartbeatReply
-
-ENDED = (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value)
 
 
 def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node: Node, hb: Heartbeat,

@@ -18,6 +18,10 @@ from pathlib import Path
 from phalanx.observability.events import Event, EventKind, EventLog
 from phalanx.observability.run_events import RunEventFiles, job_run_dir
 
+# cluster-wide events that change no heartbeat reply (a status among creating/in-service/degraded, a wait): no poke.
+# At 4,096 nodes a poke to every agent is 4,096 full heartbeats, paced over 4 s (`server/links.py`)
+QUIET = (EventKind.CLUSTER, EventKind.WAITING)
+
 
 class EventRecords:
     """The events part of `Store` (uses its `_exec`, `_lock` and `clock`)."""
@@ -40,7 +44,8 @@ class EventRecords:
         states = {k: v for k, v in (("from_state", from_state), ("to_state", to_state)) if v is not None}
         with self._lock:
             event = self.log.emit(kind, reason, node=node, job=job, **states, **fields)
-        self.changed((node,) if node and not job else None)  # (a decision was made: its agents may be concerned)
+        if node or job or kind not in QUIET:  # (a decision was made: its agents may be concerned)
+            self.changed((node,) if node and not job else None)
         return event
 
     def changed(self, nodes: tuple[str, ...] | None = None) -> None:

@@ -54,6 +54,9 @@ class ClusterStatus(str, Enum):
     DELETED = "deleted"
 
 
+ENDED = (ClusterStatus.DELETING.value, ClusterStatus.FAILED.value, ClusterStatus.DELETED.value)  # agents terminate
+
+
 @dataclass(frozen=True)
 class Node:
     name: str

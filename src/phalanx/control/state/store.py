@@ -28,8 +28,8 @@ from typing import Callable
 from phalanx.control.spec import ClusterSpec
 from phalanx.control.state.event_records import EventRecords
 from phalanx.control.state.node_rows import (  # noqa: F401 - the rows' types, imported from here by their users
-    ALLOWED, BRINGUP_STATES, FAULT_CAUSES, JSON_COLUMNS, ClusterStatus, IllegalTransition, Node, NodeState, S, _encoded,
-    _node, with_fields)
+    ALLOWED, BRINGUP_STATES, ENDED, FAULT_CAUSES, JSON_COLUMNS, ClusterStatus, IllegalTransition, Node, NodeState, S,
+    _encoded, _node, with_fields)
 from phalanx.control.state.schema import SCHEMA, migrate
 from phalanx.observability.events import EventKind
 
@@ -154,7 +154,8 @@ class Store(EventRecords):
         with self._lock:
             self._cluster_row = None
             self._exec(f"UPDATE cluster SET {cols}", tuple(fields.values()))
-        self.changed()
+        if fields.get("status") in ENDED:  # the one cluster field a reply depends on: every agent must terminate
+            self.changed()
 
     def set_status(self, status: ClusterStatus, reason: str) -> None:
         old = self.cluster()["status"]
