@@ -338,6 +338,29 @@ def test_a_healthy_node_of_a_backend_not_polled_is_observed_when_its_row_changes
     assert state(c, "workers-0") == state(c, "workers-3") == "healthy"
 
 
+@pytest.mark.parametrize("polls", [True, False], ids=["polled", "not-polled"])
+def test_an_idle_tick_scans_no_node_for_recovery_status_or_refill_until_a_row_is_written(make, polls):
+    """Recovery, status, retirement and refill read every node; with nothing written since a tick that left them
+    nothing to do they would find the same, and at 4,096 idle nodes those scans were most of the reconciler's time.
+    A write (here: `cluster scale`) is acted on at the next tick."""
+    c = make(count=4, spares=1).create()
+    c.backend.polls = polls
+    c.steps(2)
+    names, scans, nodes = list(c.states()), [], c.store.nodes
+    c.store.nodes = lambda **kw: (scans.append(kw), nodes(**kw))[1]
+    for _ in range(20):  # the agents beat on their links (nothing new)
+        c.clock.advance(c.interval)
+        c.store.observe_beats({name: c.clock() for name in names})
+        c.reconciler.tick()
+    assert len(scans) == (20 if polls else 0), "polled: the backend's checks, one read a tick"
+    c.store.update_group("workers", count=5)
+    scans.clear()
+    c.reconciler.tick()
+    assert scans and [n for n in nodes() if n.name not in names][0].state == NodeState.PROVISIONING
+    c.store.nodes = nodes
+    c.run_until(lambda: c.status() == "in-service" and len(c.states()) == 6, "the fifth member up")
+
+
 def test_a_node_its_scheduler_takes_is_replaced_and_every_fault_is_handed_back_to_the_backend(make):
     c = make(count=2, spares=1).create()
     c.backend.taken_by["workers-0"] = "Slurm node n1 is drained (reason: bad DIMM): Slurm or an operator took it"

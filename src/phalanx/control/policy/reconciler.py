@@ -19,6 +19,7 @@ Each tick:
   refill    provision nodes until every group has `count` members and `spares` spares (`flush`: Slurm gets one
             allocation for a tick's nodes); spares wait while a job relaunched after a fault has not made its
             first step (at most REFILL_HOLD_S)
+Recover, status, retire and refill are skipped while nothing was written since a tick that left them nothing to do.
 
 One log line per fault says what happened and what happens next. Knows nothing about HTTP; reaches
 processes only through the backend.
@@ -26,12 +27,12 @@ processes only through the backend.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from typing import Callable
 
 from phalanx.control.agent.health import REPLACE_NODE, summarize_failure
+from phalanx.control.policy.watch import Watch
 from phalanx.control.state.store import BRINGUP_STATES, FAULT_CAUSES, FLUSH_S, ClusterStatus, Node, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
@@ -60,8 +61,8 @@ class Reconciler:
         self.request_exit = request_exit  # stop every node and exit the controller, with a reason
         self._said: set[str] = set()  # "waiting" lines already logged (log once, not every tick)
         self._heard: float | None = None  # until when the server's loop had read agents' messages (`tick`)
-        self._due: list[tuple[float, str]] = []  # heap of (when, node): when a healthy node is looked at again
-        self._next: dict[str, float] = {}  # node → its earliest time in `_due` (later entries of it are stale)
+        self.watch = Watch(store)  # which nodes a tick observes
+        self._calm_at: int | None = None  # `Store.version` at a tick that left nothing to recover, retire or refill
         self._silent: list[tuple[Node, float]] = []  # (node, seconds) silent past the timeout at this tick
 
     def tick(self) -> None:
@@ -79,52 +80,49 @@ class Reconciler:
         for node in self._to_observe(now):
             if node.state not in (S.FAULTY, S.REPLACING):  # already judged; recover/retire take them on
                 self.observe(node, now)
-                self._wake(node.name, max(node.last_heartbeat or 0.0, self.started_at) + timeout_s)  # its silence
+                self.watch.wake(node.name, max(node.last_heartbeat or 0.0, self.started_at) + timeout_s)  # silence
         self._judge_silence()
         if self.deep is not None and self.deep.enabled:
             self.judge_deep_checks(now)
         if status == ClusterStatus.CREATING:
             if not self.check_creation():
                 return
-        else:
-            if self.jobs is not None:
-                self.jobs.observe(now, self.fault)
+        elif self.jobs is not None:
+            self.jobs.observe(now, self.fault)
+        version, calm = self.store.version, self._calm_at is not None and self._calm_at == self.store.version
+        if status != ClusterStatus.CREATING and not calm:
             self.recover()
-            if self.jobs is not None:
-                self.jobs.advance(now)
-            self.update_status()
-        self.retire(now)
-        self.refill(creating=status == ClusterStatus.CREATING)
+        if status != ClusterStatus.CREATING and self.jobs is not None:
+            self.jobs.advance(now)
+        if not calm or version != self.store.version:  # (nothing written since a calm tick: the scans find the same)
+            self._settle(status, now, version)
         for node, why in self.backend.flush():  # Slurm: one allocation for the nodes provisioned this tick
             self.fault(self.store.node(node.name) or node, f"could not start the agent: {why}", "agent-start-failed")
 
     def _to_observe(self, now: float) -> list[Node]:
-        """The live nodes to observe now. All of them when the backend's `gone`/`taken` must be polled (`polled`);
-        otherwise a healthy node only when its row changed (a heartbeat with news, a transition, an update), its
-        silence or its link's close (past `link_grace_s`) comes due, or it was not observed yet. Observing each of
-        4,096 healthy nodes at every tick took a quarter of a core of the controller (benchmarks/control_scale.py)."""
-        nodes = self.store.nodes(include_terminated=False)
-        touched, polled = self.store.take_touched(), self.backend.polled() or not self.store.owner  # (owner: touched)
+        """The live nodes to observe now (`watch.py`): all of them when the backend's `gone`/`taken` must be polled,
+        else the ones something may have happened to; a link's close comes due after `link_grace_s`."""
         grace = self.spec.health.link_grace_s
         for name, at in self.links.take_closes() if self.links is not None else ():
             if grace is not None:
-                self._wake(name, at + grace)
-        due = set()
-        while self._due and self._due[0][0] <= now:
-            at, name = heapq.heappop(self._due)
-            if self._next.get(name) == at:
-                del self._next[name]
-                due.add(name)
-        if polled:
-            return nodes
-        return [n for n in nodes if n.state != S.HEALTHY or n.name in touched or n.name in due
-                or n.name not in self._next]
+                self.watch.wake(name, at + grace)
+        return self.watch.pick(now, every=self.backend.polled() or not self.store.owner)
 
-    def _wake(self, name: str, at: float) -> None:
-        """Observe node `name` again at `at` (or sooner, if already due sooner)."""
-        if at < self._next.get(name, float("inf")):
-            self._next[name] = at
-            heapq.heappush(self._due, (at, name))
+    def _settle(self, status: ClusterStatus, now: float, version: int | None) -> None:
+        """The status, retirement and refill; then calm (`_calm_at`) when nothing was written meanwhile and no node is
+        faulty, replacing or missing from its group: until the next write their scans of every node would find the
+        same (at 4,096 idle nodes they were most of the reconciler's time, benchmarks/control_scale.py)."""
+        if status != ClusterStatus.CREATING:
+            self.update_status()
+        self.retire(now)
+        self.refill(creating=status == ClusterStatus.CREATING)
+        if version is None or version != self.store.version:
+            return
+        nodes = self.store.nodes(include_terminated=False)
+        full = all(sum(not n.is_spare for n in nodes if n.group == g["name"]) == g["count"] and
+                   sum(n.is_spare for n in nodes if n.group == g["name"]) >= g["spares"] for g in self.store.groups())
+        if full and not any(n.state in (S.FAULTY, S.REPLACING) for n in nodes):
+            self._calm_at = version
 
     def _fold_beats(self) -> None:
         """The beats agents send on their links (`server/links.py`) are heartbeats with nothing new: each agent's

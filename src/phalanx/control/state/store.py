@@ -56,6 +56,7 @@ class Store(EventRecords):
         self._order: list[str] | None = None  # owner: names by (created_at, name), rebuilt when a node is added
         self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite
         self._touched: set[str] = set()  # owner: nodes whose row changed since `take_touched`, but by a beat
+        self._version = 0  # owner: counts the writes of nodes' rows and groups, but heartbeats' observations
         self._flushed_at = float("-inf")  # (time.monotonic) the last flush_observed that wrote
         self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
         self.job_memo: dict | None = {} if owner else None  # owner: `JobRecords`' reads, until its next write
@@ -75,13 +76,15 @@ class Store(EventRecords):
         self.log = self.event_log()  # the controller's one event writer (`EventRecords`)
 
     @property
-    def owner(self) -> bool:
-        """Opened by the controller, the one writer of its state: reads may be kept in memory."""
+    def owner(self) -> bool:  # opened by the controller, the one writer of its state: reads may be kept in memory
         return self._owner
 
     @property
-    def lock(self) -> threading.RLock:
-        """Held around every statement and transaction (re-entrant)."""
+    def version(self) -> int | None:  # what a scan of every node finds is the same until it moves; None: not the owner
+        return self._version if self._owner else None
+
+    @property
+    def lock(self) -> threading.RLock:  # held around every statement and transaction (re-entrant)
         return self._lock
 
     def close(self) -> None:
@@ -169,7 +172,9 @@ class Store(EventRecords):
 
     def update_group(self, name: str, **fields) -> None:
         cols = ", ".join(f"{k}=?" for k in fields)
-        self._exec(f"UPDATE groups SET {cols} WHERE name=?", (*fields.values(), name))
+        with self._lock:
+            self._exec(f"UPDATE groups SET {cols} WHERE name=?", (*fields.values(), name))
+            self._version += 1
 
     # ---- nodes --------------------------------------------------------------------------------
     def add_node(self, group: str, *, is_spare: bool, work_root: Path, reason: str) -> Node:
@@ -191,10 +196,9 @@ class Store(EventRecords):
         return self.node(name)
 
     def claim_node(self, group: str, handle: str, work_root: str, name: str | None = None) -> Node | None:
-        """An agent joining from its host: the node of `group` (or the one named) that waits for an agent
-        (provisioning, no handle) becomes this agent's, its work dir WORK_ROOT/<cluster>/<node> on that host;
-        members before spares. The same agent joining again before its first heartbeat (its join's answer lost to
-        a timeout) gets the node it claimed. None when none waits."""
+        """An agent joining from its host: the node of `group` (or the one named) that waits for an agent (provisioning,
+        no handle) becomes this agent's, its work dir WORK_ROOT/<cluster>/<node> on that host; members before spares.
+        The same agent joining again before its first heartbeat (its answer lost) gets the one it claimed. Else None."""
         with self._lock:
             rows = self._exec("SELECT name, handle FROM nodes WHERE group_name=? AND state=? AND (handle IS NULL OR "
                               f"handle=?){' AND name=?' if name else ''} ORDER BY handle IS NULL, is_spare, "
@@ -246,6 +250,7 @@ class Store(EventRecords):
                 self._write_observed({name: self._observed.pop(name)})
             row = self._db.execute("SELECT * FROM nodes WHERE name=?", (name,)).fetchone()
             self._touched.add(name)
+            self._version += 1
             if row is None:
                 self._rows.pop(name, None)
             else:
@@ -258,10 +263,8 @@ class Store(EventRecords):
     def observe_node(self, name: str, **fields) -> None:
         """A heartbeat's observations (`OBSERVED` columns): in the owner's view at once, in SQLite at the next
         `flush_observed` (the reconciler's tick, at most every FLUSH_S; a second per FLUSH_RATE nodes) or the node's
-        next write. Two UPDATEs per heartbeat were the largest part of its handling at a thousand agents
-        (benchmarks/control_scale.py); a controller killed loses those heartbeat times, which its agents send again
-        (and a restarted controller judges silence from its own start). Not the owner, or
-        a node it has not read yet: written now (`update_node`)."""
+        next write: two UPDATEs per heartbeat were most of its handling at a thousand agents. A controller killed
+        loses those times, which its agents send again. Not the owner, or a node not read yet: `update_node` now."""
         assert set(fields) <= OBSERVED, f"not a heartbeat's observation: {set(fields) - OBSERVED}"
         with self._lock:
             cached = self._rows.get(name) if self._owner and self._rows is not None else None
@@ -281,9 +284,8 @@ class Store(EventRecords):
         return touched
 
     def observe_beats(self, beats: dict[str, float]) -> None:
-        """`observe_node(name, last_heartbeat=at)` for many nodes under one lock (the agents' beats, folded at a
-        reconciler tick: thousands a second at thousands of nodes); a time not newer than the node's is ignored (not
-        the owner: each written at once)."""
+        """`observe_node(name, last_heartbeat=at)` for many nodes under one lock (the agents' beats, folded at a tick:
+        thousands a second); a time not newer than the node's is ignored (not the owner: each written at once)."""
         with self._lock:
             rows = self._cached() if self._owner else None
             for name, at in beats.items():
@@ -339,6 +341,7 @@ class Store(EventRecords):
                     for column in fields:  # written now: an older observation of it must not be flushed over it
                         self._observed.get(name, {}).pop(column, None)
                 self._write_observed(chunk)
+                self._version += 1
                 for name, fields in chunk.items():
                     cached = self._rows.get(name) if self._owner and self._rows is not None else None
                     if cached is not None:
@@ -391,8 +394,7 @@ class Store(EventRecords):
 
 
 def open_existing(path: Path, *, owner: bool = False) -> Store:
-    """Open a cluster's state.db that must already exist (never creates an empty one by accident). `owner`: the
-    controller's (see `Store`)."""
+    """Open a cluster's state.db that must already exist (never an empty one by accident); `owner`: see `Store`."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"no cluster state at {path}")
     return Store(path, owner=owner)

@@ -1,0 +1,55 @@
+"""Which nodes a reconciler tick observes (`Reconciler.observe`): every live node when the backend's own checks must
+be polled (local: it asks the agent processes); otherwise only the nodes something may have happened to. At 4,096
+nodes, observing every healthy node at every tick took a quarter of a core of the controller, and after that the
+scans of every node to find the few that changed were most of a tick (benchmarks/control_scale.py).
+
+A node is observed when it is not healthy (bringing up, or judged and waiting to be recovered), its row changed
+other than by a beat (`Store.take_touched`), a deadline of it comes due (`wake`: its silence, its link's close), or
+it is new. Every node is scanned only after a write that was not a heartbeat's observation (`Store.version`).
+
+Must not know: what observing a node decides, HTTP, processes.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from phalanx.control.state.store import Node, NodeState, Store
+
+
+class Watch:
+    def __init__(self, store: Store):
+        self.store = store
+        self._due: list[tuple[float, str]] = []  # heap of (when, node): when a healthy node is looked at again
+        self._next: dict[str, float] = {}  # node → its earliest time in `_due` (later entries of it are stale)
+        self._version: int | None = None  # the store's version `_unsettled` and `_order` were read at
+        self._unsettled: set[str] = set()  # the live nodes that were not healthy then
+        self._order: dict[str, int] = {}  # node → its position then (nodes are observed in creation order)
+
+    def wake(self, name: str, at: float) -> None:
+        """Observe node `name` again at `at` (or sooner, if already due sooner)."""
+        if at < self._next.get(name, float("inf")):
+            self._next[name] = at
+            heapq.heappush(self._due, (at, name))
+
+    def pick(self, now: float, *, every: bool) -> list[Node]:
+        """The live nodes to observe now; `every`: all of them (the backend is polled, or the store is not the
+        owner and keeps no touched rows)."""
+        touched, due = self.store.take_touched(), set()
+        while self._due and self._due[0][0] <= now:
+            at, name = heapq.heappop(self._due)
+            if self._next.get(name) == at:
+                del self._next[name]
+                due.add(name)
+        version = self.store.version
+        if every or version is None:
+            return self.store.nodes(include_terminated=False)
+        names = touched | due | self._unsettled
+        if version != self._version:  # a node added, moved on, or changed: scan them all once
+            nodes = self.store.nodes(include_terminated=False)
+            self._version, self._order = version, {n.name: i for i, n in enumerate(nodes)}
+            self._unsettled = {n.name for n in nodes if n.state != NodeState.HEALTHY}
+            names |= self._unsettled | {n.name for n in nodes if n.name not in self._next}
+        last = len(self._order)
+        picked = (self.store.node(name) for name in sorted(names, key=lambda n: self._order.get(n, last)))
+        return [n for n in picked if n is not None and n.state != NodeState.TERMINATED]
