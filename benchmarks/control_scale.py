@@ -14,7 +14,9 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
   cpu          the controller process's CPU seconds per second over that window (1.0 = one core); and the
                simulated agents' (this process: at 1.0 their own loop is late, and so are the latencies it times)
   agents lag   how late the simulated agents' loop ran a 10 ms timer over each window, p50 / p99: a lag near the
-               heartbeat latencies says they are the simulator's own (it shares the machine with the controller)
+               heartbeat latencies says they are the simulator's own (it shares the machine with the controller).
+               Each agent's period varies ± 5 % a cycle, as on hosts of their own: in one loop, agents whose timers
+               fired together after a lag of it were answered together and sent together again, a wave every cycle
   scrape       GET /metrics, median of 5
   schedule     a command job on all N nodes submitted → the last agent's heartbeat reply carries its
                assignment
@@ -60,7 +62,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, write_results  # noqa: E402
 
-from phalanx.control.agent.link import BEAT_CHUNK, news as link_news  # noqa: E402
+from phalanx.control.agent.link import BEAT_CHUNK, news as link_news, next_wait  # noqa: E402
 from phalanx.protocol import PROTOCOL_VERSION  # noqa: E402
 from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S, LINK_POKE  # noqa: E402
 
@@ -216,19 +218,22 @@ class SimAgent:
                         break  # killed with a heartbeat in flight
                     except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
                         # unanswered twice: a real agent logs it and sends a full heartbeat again (never a beat)
-                        # after the interval, as long as it lives; counted, its time among the latencies
+                        # after its wait (`next_wait`: a random part of the interval), as long as it lives; counted,
+                        # its time among the latencies
                         self.bench.failed(time.monotonic() - start)
                         self.said = None
-                        await asyncio.sleep(self.interval)
-                        continue
-                    took = time.monotonic() - start
-                    self.bench.heartbeat(took)
-                    if status != 200 or reply.get("action") == "terminate":
-                        self.stopped = True
-                        break
-                    self.apply(reply)
-                    self.full_at, self.said = time.monotonic() - random.random() * self.full_every / 2, news
-            wait = min(self.next_s or self.interval, self.interval) - (time.monotonic() - start)
+                    else:
+                        took = time.monotonic() - start
+                        self.bench.heartbeat(took)
+                        if status != 200 or reply.get("action") == "terminate":
+                            self.stopped = True
+                            break
+                        self.apply(reply)
+                        self.full_at, self.said = time.monotonic() - random.random() * self.full_every / 2, news
+            # (± 5 % a cycle: real agents' timers run on their own hosts; thousands in one loop fire in the same
+            # iteration after any lag of it, and the answers to such a burst made the next one: a wave every cycle)
+            period = min(self.next_s or self.interval, self.interval) * random.uniform(0.95, 1.05)
+            wait = next_wait(period, time.monotonic() - start)
             if wait > 0:
                 try:
                     await asyncio.wait_for(self.poked.wait(), wait)  # a poke: heartbeat at once

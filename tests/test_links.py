@@ -293,3 +293,15 @@ def test_a_heartbeat_answered_late_is_dated_from_its_arrival(monkeypatch):
     assert len(answered) == 2 and all(answered_at - arrived > 0.2 for _, answered_at in answered), \
         "answered after the tick let go of the lock"
     assert all(dated - arrived < 0.1 for dated, _ in answered), f"dated after their arrival: {answered}, {arrived}"
+
+
+def test_agents_answered_together_after_a_stall_do_not_stay_in_step():
+    """An agent keeps its phase (the rest of its period after each heartbeat); answered a whole period late, as
+    every agent waiting on a stalled controller is, it picks a random one: agents answered in the same instant
+    would otherwise send in the same instant at every interval from then on."""
+    from phalanx.control.agent.link import next_wait
+
+    assert next_wait(2.0, 0.5) == 1.5 and next_wait(2.0, 0.0) == 2.0
+    waits = [next_wait(2.0, 3.0) for _ in range(200)]  # 200 agents answered together, 3 s after they sent
+    assert all(0.0 <= w <= 2.0 for w in waits)
+    assert len({round(w, 1) for w in waits}) >= 15, "spread over the period, not one instant"

@@ -39,7 +39,7 @@ from phalanx.control.agent import health
 from phalanx.protocol import NODE_HANDLE, PROTOCOL_VERSION, ProtocolMismatch, check_version
 from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S, HeartbeatReply
 from phalanx.control.agent.deep_check import DeepCheckRunner
-from phalanx.control.agent.link import Link, news
+from phalanx.control.agent.link import Link, news, next_wait
 from phalanx.control.agent.slurm_allocation import SlurmAllocation, ignoring_usr2
 from phalanx.control.agent.join import TOKEN_ENV, act_on, free_ports, join
 from phalanx.control.http import ApiError, ControllerUnreachable, KeepAlive
@@ -287,7 +287,7 @@ class Agent:
                 self.exit_reason = f"work dir {self.work_dir} is gone (cluster deleted)"
                 break
             self.wake.clear()
-            hurried, self.next_heartbeat_s = self.next_heartbeat_s is not None, None
+            started, hurried, self.next_heartbeat_s = time.monotonic(), self.next_heartbeat_s is not None, None
             try:
                 if url is None:
                     raise ControllerUnreachable(f"no endpoint file at {self.endpoint_file}")
@@ -324,7 +324,8 @@ class Agent:
                     self.exit_reason = f"controller does not know node {self.name} ({err.detail})"
                     break
                 log.error("heartbeat refused (%s); retrying in %g s", err, self.interval)
-            self.wake.wait(min(self.next_heartbeat_s or self.interval, self.interval))  # (sooner, never later)
+            period = min(self.next_heartbeat_s or self.interval, self.interval)  # (sooner, never later)
+            self.wake.wait(next_wait(period, time.monotonic() - started))
         session.close()
         self.shutdown()
         return 0
