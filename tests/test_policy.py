@@ -460,6 +460,21 @@ def test_many_nodes_silent_at_once_are_not_judged_until_the_others_are_heard_aga
     assert gen1.outcome == "node-fault" and "node workers-0 faulty" in gen1.end_reason, "on workers-0 alone"
 
 
+def test_a_mass_silence_longer_than_its_hold_is_judged(make):
+    """Hosts can die together (a rack's power): held past MASS_SILENCE_HOLD timeouts, the silent nodes are faulty."""
+    from phalanx.control.policy.reconciler import MASS_SILENCE_HOLD
+
+    c = make(count=10, spares=0).create()
+    frozen = [f"workers-{i}" for i in range(9)]
+    for name in frozen:
+        c.inject_fault(name, "freeze-node")
+    hold = MASS_SILENCE_HOLD * c.spec.health.heartbeat_timeout_s
+    c.steps(int((hold - 1.0) / c.interval))
+    assert set(c.states().values()) == {"healthy"}, "held"
+    c.run_until(lambda: all(state(c, n) != "healthy" for n in frozen), "judged past the hold", max_steps=6)
+    assert all("no heartbeat for" in faulty_reason(c, n) for n in frozen) and state(c, "workers-9") == "healthy"
+
+
 @pytest.mark.parametrize("health,frozen,judged", [
     ({}, MASS_SILENCE_MIN - 1, "fewer than MASS_SILENCE_MIN: each alone"),
     ({}, 5, "half of 10 is not more than half"),

@@ -113,11 +113,11 @@ class HealthSpec(_Strict):
     link_grace_s: float | None = Field(0.5, gt=0, le=60, description=(
         "an agent's link closed (its process ended: its kernel closed the connection) and no heartbeat or new "
         "link this long → node faulty, without waiting out heartbeat_timeout_s; null: heartbeats only"))
-    # below the training config's default pg_timeout_s (300): a frozen rank is killed by its agent (a node
-    # fault: the node is replaced) before its peers' collectives time out (which would read as an app error)
     mass_silence_fraction: float | None = Field(0.5, gt=0, le=1, description=(
         "more than this fraction of the nodes that heartbeat (and at least 8) silent past heartbeat_timeout_s at "
         "once: none is judged faulty (the controller's own load or network, not that many hosts); null: each alone"))
+    # below the training config's default pg_timeout_s (300): a frozen rank is killed by its agent (a node
+    # fault: the node is replaced) before its peers' collectives time out (which would read as an app error)
     hang_timeout_s: float = Field(240.0, gt=0, description="no training progress this long → worker killed")
     deep_health_check: bool = Field(False, description="run the deep check (a timed all_reduce with a healthy "
                                                        "peer) while a node is provisioned")

@@ -39,12 +39,12 @@ from phalanx.observability.events import EventKind as E
 log = logging.getLogger("phalanx.reconciler")
 S = NodeState
 TERMINATE_GRACE_S = 5.0
-# A spare refill waits (at most this long) while a job relaunched after a fault has not made its first step: on the
-# local backend the new node's agent, worker template and warm standby start on the cores the recovering ranks use
-# (a checkpointless recovery took longer with them); elsewhere a refill takes far longer than the wait anyway.
+# A spare refill waits (at most this long) while a job relaunched after a fault has not made its first step: locally the
+# new node's agent, template and standby take the recovering ranks' cores (elsewhere a refill takes longer anyway).
 REFILL_HOLD_S = 10.0
 MAX_PROVISION_FAILURES = 3
-MASS_SILENCE_MIN = 8  # nodes silent at once before `health.mass_silence_fraction` may hold their judgment
+MASS_SILENCE_MIN = 8  # nodes silent at once before `health.mass_silence_fraction` may hold their judgment...
+MASS_SILENCE_HOLD = 10  # ...for at most this many heartbeat_timeout_s: silent longer, hosts that did die together
 
 
 class Reconciler:
@@ -197,22 +197,24 @@ class Reconciler:
             self.fault(node, f"health check failed: {summarize_failure(health)}", "health-check")
 
     def _judge_silence(self) -> None:
-        """The nodes silent past heartbeat_timeout_s at this tick are faulty, unless more than mass_silence_fraction
-        of the nodes that heartbeat (and MASS_SILENCE_MIN) are: hosts die one by one, so many at once is the
-        controller's own load or network (Kubernetes' node controller stops evicting in a full disruption too).
-        They are judged again each tick; the ones still silent once the others are heard are faulty."""
+        """The nodes silent past heartbeat_timeout_s at this tick are faulty, unless more than mass_silence_fraction of
+        the nodes that heartbeat (and MASS_SILENCE_MIN) are: hosts die one by one, so many at once is the controller's
+        own load or network (as Kubernetes' node controller holds evictions in a full disruption). The ones still
+        silent once the others are heard, or after MASS_SILENCE_HOLD timeouts, are faulty."""
         silent, self._silent, h = self._silent, [], self.spec.health
-        if h.mass_silence_fraction is not None and len(silent) >= MASS_SILENCE_MIN:
+        hold = MASS_SILENCE_HOLD * h.heartbeat_timeout_s
+        if h.mass_silence_fraction is not None and MASS_SILENCE_MIN <= len(silent) and max(s for _, s in silent) < hold:
             heard = sum(1 for n in self.store.nodes(include_terminated=False)
                         if n.last_heartbeat is not None and n.state not in (S.FAULTY, S.REPLACING))
             if len(silent) > h.mass_silence_fraction * heard:
                 return self._say_once("mass-silence", f"{len(silent)} of {heard} nodes silent past heartbeat_"
                                       f"timeout_s={h.heartbeat_timeout_s:g} at once: the controller's own load or "
                                       f"network more likely than that many hosts; none is judged faulty (health."
-                                      f"mass_silence_fraction={h.mass_silence_fraction:g}); next: judged each tick")
+                                      f"mass_silence_fraction={h.mass_silence_fraction:g}); next: judged each tick, "
+                                      f"faulty if silent {hold:g} s")
         if "mass-silence" in self._said:
             self._said.discard("mass-silence")
-            log.warning("nodes heard again; %d still silent past heartbeat_timeout_s are judged", len(silent))
+            log.warning("mass silence over; %d nodes still silent past heartbeat_timeout_s are judged", len(silent))
         for node, seconds in silent:
             self.fault(node, f"no heartbeat for {seconds:.1f} s (heartbeat_timeout_s={h.heartbeat_timeout_s:g})",
                        "heartbeat-timeout")

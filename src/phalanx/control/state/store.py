@@ -56,7 +56,7 @@ class Store(EventRecords):
         self._order: list[str] | None = None  # owner: names by (created_at, name), rebuilt when a node is added
         self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite
         self._touched: set[str] = set()  # owner: nodes whose row changed since `take_touched`, but by a beat
-        self._version = 0  # owner: counts the writes of nodes' rows and groups, but heartbeats' observations
+        self._version = 0  # owner: counts the writes of nodes' rows and of groups, not heartbeats' observations
         self._flushed_at = float("-inf")  # (time.monotonic) the last flush_observed that wrote
         self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
         self.job_memo: dict | None = {} if owner else None  # owner: `JobRecords`' reads, until its next write
