@@ -207,6 +207,29 @@ def test_the_controllers_long_lived_objects_are_frozen_and_a_frozen_cycle_is_fre
         gc.unfreeze()
 
 
+def test_a_slow_full_collections_survivors_are_frozen_without_waiting_for_a_tick(monkeypatch):
+    """A reconciler tick can last tens of seconds (4,096 nodes brought into service: 47 s); the survivors of a slow
+    full collection are frozen right after it by `LongLived`'s own thread, not at the tick's end."""
+    import gc
+
+    from phalanx.control.server import heap
+
+    long_lived = heap.LongLived()
+    try:
+        long_lived.freeze()
+        frozen = gc.get_freeze_count()
+        rows = [[i] for i in range(20000)]  # made after the freeze
+        monkeypatch.setattr(heap, "SLOW_S", 0.0)
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while long_lived.freezes < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert long_lived.freezes >= 2 and gc.get_freeze_count() >= frozen + len(rows), "frozen with no tick"
+    finally:
+        long_lived.close()
+        gc.unfreeze()
+
+
 def test_heartbeat_observations_are_batched_into_sqlite_without_losing_or_reverting_any(tmp_path, monkeypatch):
     """The controller (the store's owner) keeps a heartbeat's observations in memory and writes them in one
     transaction per reconciler tick (`Store.observe_node` / `flush_observed`): its own reads see them at once,
