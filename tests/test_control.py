@@ -168,10 +168,10 @@ def test_store_refuses_illegal_transitions_and_records_every_move(tmp_path):
     store.close()
 
 
-def test_the_controllers_long_lived_objects_are_frozen_and_a_frozen_cycle_is_freed_at_the_refreeze(monkeypatch):
-    """`server/heap.py`: what survives a slow full collection is frozen at the next tick (never walked again);
-    every REFREEZE_S everything is unfrozen and collected once, so a frozen object that became cyclic garbage is
-    freed then."""
+def test_the_controllers_long_lived_objects_are_frozen_and_a_frozen_cycle_is_freed_at_the_refreeze():
+    """`server/heap.py`: what was made since the last freeze is frozen within FREEZE_EVERY_S by `LongLived`'s own
+    thread (never walked by a collection again), with no reconciler tick; every REFREEZE_S everything is unfrozen and
+    collected once, so a frozen object that became cyclic garbage is freed then."""
     import gc
     import weakref
 
@@ -185,13 +185,11 @@ def test_the_controllers_long_lived_objects_are_frozen_and_a_frozen_cycle_is_fre
     try:
         long_lived.freeze()
         frozen = gc.get_freeze_count()
-        rows = [Row() for _ in range(20000)]  # made after the freeze: walked by every full collection
-        long_lived.tick()
-        assert gc.get_freeze_count() == frozen, "no slow full collection yet: nothing more frozen"
-        monkeypatch.setattr(heap, "SLOW_S", 0.0)  # (every full collection is slow)
-        gc.collect()
-        long_lived.tick()
-        assert gc.get_freeze_count() >= frozen + len(rows) and long_lived.freezes == 2
+        rows = [Row() for _ in range(20000)]  # made after the freeze
+        deadline = time.monotonic() + 10
+        while gc.get_freeze_count() < frozen + len(rows) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.get_freeze_count() >= frozen + len(rows) and long_lived.freezes >= 2, "frozen with no tick"
         cycle = Row()
         cycle.me = cycle
         alive = weakref.ref(cycle)
@@ -199,32 +197,11 @@ def test_the_controllers_long_lived_objects_are_frozen_and_a_frozen_cycle_is_fre
         del cycle
         gc.collect()
         assert alive() is not None, "frozen: out of the collector's sight"
+        long_lived.tick()
+        assert alive() is not None, "no refreeze before REFREEZE_S"
         now[0] += heap.REFREEZE_S
         long_lived.tick()
         assert alive() is None, "unfrozen, collected, frozen again: the cycle is freed"
-    finally:
-        long_lived.close()
-        gc.unfreeze()
-
-
-def test_a_slow_full_collections_survivors_are_frozen_without_waiting_for_a_tick(monkeypatch):
-    """A reconciler tick can last tens of seconds (4,096 nodes brought into service: 47 s); the survivors of a slow
-    full collection are frozen right after it by `LongLived`'s own thread, not at the tick's end."""
-    import gc
-
-    from phalanx.control.server import heap
-
-    long_lived = heap.LongLived()
-    try:
-        long_lived.freeze()
-        frozen = gc.get_freeze_count()
-        rows = [[i] for i in range(20000)]  # made after the freeze
-        monkeypatch.setattr(heap, "SLOW_S", 0.0)
-        gc.collect()
-        deadline = time.monotonic() + 10
-        while long_lived.freezes < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert long_lived.freezes >= 2 and gc.get_freeze_count() >= frozen + len(rows), "frozen with no tick"
     finally:
         long_lived.close()
         gc.unfreeze()

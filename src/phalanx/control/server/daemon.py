@@ -144,7 +144,7 @@ class Controller:
         self.started_at: float | None = None
         self._exit = threading.Event()
         self._poked = threading.Event()  # a heartbeat brought news a decision waits on: tick now
-        self.heap = LongLived()  # short full garbage collections (heap.py)
+        self.heap = LongLived()  # short garbage collections: what lives longer than 0.1 s frozen (heap.py)
         self._stop_nodes_reason: str | None = None
         self._nodes_stopped = False  # stopped while the API still served (backend hosts)
 
@@ -266,7 +266,7 @@ class Controller:
                 reconciler.tick()
             except Exception:
                 log.exception("reconciler tick failed; next: retrying in %.1f s", TICK_S)
-            self.heap.tick()  # (a full collection's long-lived survivors frozen: heap.py)
+            self.heap.tick()  # (the periodic full collection of everything frozen: heap.py)
             ended = time.monotonic()
             self._exit.wait(MIN_TICK_GAP_S)
             self._poked.wait(TICK_S - MIN_TICK_GAP_S)

@@ -54,7 +54,7 @@ class Store(EventRecords):
         self._owner = owner
         self._rows: dict[str, Node] | None = None  # owner: name → Node, loaded on the first read
         self._order: list[str] | None = None  # owner: names by (created_at, name), rebuilt when a node is added
-        self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite
+        self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite, as stored
         self._touched: set[str] = set()  # owner: nodes whose row changed since `take_touched`, but by a beat
         self._version = 0  # owner: counts the writes of nodes' rows and of groups, not heartbeats' observations
         self._flushed_at = float("-inf")  # (time.monotonic) the last flush_observed that wrote
@@ -273,9 +273,9 @@ class Store(EventRecords):
                 return
             self._rows[name] = with_fields(cached, fields)
             self._touched.add(name)
-            # a JSON column equal to the row's is in SQLite or pending already: not encoded again at the flush
+            # as stored (JSON encoded now, not in a flush's lump); one equal to the row's is in SQLite or pending
             self._observed.setdefault(name, {}).update(
-                {k: v for k, v in fields.items() if k not in JSON_COLUMNS or v != getattr(cached, k)})
+                _encoded({k: v for k, v in fields.items() if k not in JSON_COLUMNS or v != getattr(cached, k)}))
 
     def take_touched(self) -> set[str]:
         """The owner's nodes whose rows changed since the last call, other than by `observe_beats`."""
@@ -338,8 +338,8 @@ class Store(EventRecords):
             assert not any("state" in f for f in chunk.values()), "use transition() to change a node's state"
             with self._lock:
                 for name, fields in chunk.items():
-                    for column in fields:  # written now: an older observation of it must not be flushed over it
-                        self._observed.get(name, {}).pop(column, None)
+                    for column in _encoded(dict.fromkeys(fields)):  # written now: an older observation of it
+                        self._observed.get(name, {}).pop(column, None)  # must not be flushed over it
                 self._write_observed(chunk)
                 self._version += 1
                 for name, fields in chunk.items():
