@@ -16,6 +16,14 @@ events.jsonl with a checkpoint save every 500 steps. Then:
             change), measured in the same run, interleaved with `scrape`
 
 The claim: `scrape` and `derive` stay flat in N (ratio 100k / 1k ≈ 1) while the baseline grows with N.
+
+`--nodes N`: instead, a scrape of a cluster of N heartbeating nodes (the controller's own view, `owner`), where the
+one family with a sample per node dominates: the controller's route (`render_ages`: the family written by
+`ClusterCollector.heartbeat_ages`) against prometheus_client's exposition of it (the baseline), interleaved, median
+of `--runs`; summary nodes_scrape_s, nodes_baseline_s, nodes_ratio (baseline / ours).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/scrape.py --nodes 4096 \
+        --out benchmarks/results/scrape_nodes_4096.json
 Prints a table; writes benchmarks/results/scrape.json (summary: scrape_s_1k, scrape_s_10k, scrape_s_100k,
 scrape_ratio_100k_1k, derive_s_100k, cold_s_100k, events_scan_s_100k).
 
@@ -119,13 +127,56 @@ def measure(n_events: int, n_steps: int, runs: int) -> dict:
             "scrape_samples": steady, "derive_samples": derive, "events_scan_samples": baseline, "bytes": size}
 
 
+def measure_nodes(n: int, runs: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = ClusterSpec.model_validate({"name": "bench", "backend": "hosts", "instance_groups": [
+            {"name": "workers", "instance_type": "local.cpu-1", "count": n}]})  # (hosts: local stops at 64 nodes)
+        store = Store(Path(tmp) / "state.db", owner=True)
+        try:
+            store.initialize(spec)
+            for _ in range(n):
+                store.add_node("workers", is_spare=False, work_root=Path(tmp), reason="bench")
+            store.update_nodes({f"workers-{i}": {"last_heartbeat": time.time()} for i in range(n)})
+            ours = ClusterCollector(store, JobRuns(), render_ages=True)
+            theirs = ClusterCollector(store, JobRuns())
+            scrape = lambda c: generate_latest(registry_of(c)) + (c.heartbeat_ages() if c.render_ages else b"")  # noqa
+            ours_s, theirs_s = [], []
+            for _ in range(runs):
+                ours_s.append(timed(lambda: scrape(ours)))
+                theirs_s.append(timed(lambda: scrape(theirs)))
+            size = len(scrape(ours))
+        finally:
+            store.close()
+    return {"nodes": n, "scrape_s": statistics.median(ours_s), "baseline_s": statistics.median(theirs_s),
+            "scrape_samples": ours_s, "baseline_samples": theirs_s, "bytes": size}
+
+
+def registry_of(collector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--events", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     p.add_argument("--steps", type=int, default=20_000)
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--nodes", type=int, help="a scrape of N heartbeating nodes, ours against the library's")
     a = p.parse_args(argv)
+    if a.nodes:
+        r = measure_nodes(a.nodes, a.runs)
+        summary = {"nodes_scrape_s": r["scrape_s"], "nodes_baseline_s": r["baseline_s"],
+                   "nodes_ratio": r["baseline_s"] / r["scrape_s"]}
+        print(f"{a.nodes} nodes: scrape {r['scrape_s'] * 1e3:.1f} ms (prometheus_client's exposition of every "
+              f"node: {r['baseline_s'] * 1e3:.1f} ms, {summary['nodes_ratio']:.1f}x), {r['bytes']} bytes")
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"machine": platform.platform(), "python": sys.version.split()[0],
+                                     "config": {"nodes": a.nodes, "runs": a.runs}, "rows": [r],
+                                     "summary": summary}, indent=1))
+        print(f"wrote {a.out}")
+        return 0
     rows = [measure(n, a.steps, a.runs) for n in a.events]
     print(f"{'events':>8} {'scrape ms':>10} {'derive ms':>10} {'cold ms':>9} {'events scan ms':>15} {'bytes':>7}")
     for r in rows:
