@@ -64,7 +64,7 @@ from report import RESULTS_DIR, write_results  # noqa: E402
 
 from phalanx.control.agent.link import BEAT_CHUNK, news as link_news, next_wait  # noqa: E402
 from phalanx.protocol import PROTOCOL_VERSION  # noqa: E402
-from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S, LINK_POKE  # noqa: E402
+from phalanx.protocol.messages import FULL_HEARTBEAT_MAX_S, LINK_BEAT_S, LINK_POKE  # noqa: E402
 
 RESULTS = RESULTS_DIR / "control_scale.json"
 REQUEST_TIMEOUT_S = 10.0
@@ -168,7 +168,23 @@ class SimAgent:
 
     async def hold_link(self) -> None:
         """The agent's link (`control/agent/link.py`): one more connection, held open while the agent lives (a
-        silent agent keeps it: a frozen host closes nothing)."""
+        silent agent keeps it: a frozen host closes nothing), and opened again when it ends while the agent lives,
+        as a real agent's (a link that ended unnoticed left a killed agent to the heartbeat timeout)."""
+        while not (self.stopped or self.conn.dead):
+            opened_at = time.monotonic()
+            try:
+                await self._hold_link_once()
+            except (ConnectionError, OSError, asyncio.TimeoutError) as err:
+                if not (self.stopped or self.conn.dead):
+                    print(f"link of {self.name}: {type(err).__name__} {err}", file=sys.stderr, flush=True)
+            if self.stopped or self.conn.dead or self.silent:  # (a frozen host opens nothing)
+                return
+            self.bench.links_ended += 1
+            self.poked.set()  # (heartbeat now, as a real agent whose link dropped)
+            if time.monotonic() - opened_at < 1.0:
+                await asyncio.sleep(self.interval)
+
+    async def _hold_link_once(self) -> None:
         reader, writer = await asyncio.open_connection(self.conn.host, self.conn.port)
         self.link_writer = writer
         writer.write(f"POST /v1/nodes/{self.name}/link?handle={self.handle} HTTP/1.1\r\nHost: {self.conn.host}\r\n"
@@ -176,7 +192,7 @@ class SimAgent:
         await writer.drain()
         try:
             while not self.stopped:
-                down = await reader.read(64)
+                down = await asyncio.wait_for(reader.read(64), 3 * LINK_BEAT_S)  # (a real agent's read timeout)
                 if not down:
                     break
                 self.link_up = True  # (the response's head and first beat came)
@@ -275,6 +291,7 @@ class Bench:
         self.beats = 0
         self.failures = 0  # heartbeats unanswered twice (`Conn.request`), while recording
         self.failures_total = 0  # over the whole run: the creation, the stop and the detections too
+        self.links_ended = 0  # links that ended while their agent lived (opened again), over the whole run
 
     def failed(self, seconds: float) -> None:
         self.failures_total += 1
@@ -535,7 +552,7 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
            "detect_s": round(detect, 3) if detect is not None else None,
            "detect_excess_s": round(detect - timeout, 3) if detect is not None else None,
            "detect_gone_s": round(detect_gone, 3) if detect_gone is not None else None,
-           "heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout}
+           "heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout, "links_ended": bench.links_ended}
     print(json.dumps(out), flush=True)
     return out
 

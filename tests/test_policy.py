@@ -830,6 +830,26 @@ def test_a_restart_job_xid_restarts_on_the_same_nodes_without_using_a_retry_and_
     assert not [e for e in c.events() if e["to_state"] == "faulty"], "a job-level XID replaces nothing"
 
 
+def test_a_running_jobs_nodes_are_scanned_for_faults_again_only_after_a_write(make, monkeypatch):
+    """`JobScheduler._node_faults`: a tick scans the generation's nodes again only after a write since a scan that
+    found none (`Store.version`, which a health report with a failed check moves too); at 4,096 nodes that scan was
+    25-110 ms of every tick under the lock heartbeats wait on. A restart-job health failure is still found."""
+    from phalanx.control.policy import scheduler
+
+    scans, real = [], scheduler.restart_job_failures
+    monkeypatch.setattr(scheduler, "restart_job_failures", lambda health, since: scans.append(1) or real(health, since))
+    c = make(count=2, spares=1).create()
+    job = c.submit(nodes=2, auto_resume=True)
+    running(c, job.id, 1)
+    c.steps(3)
+    scans.clear()
+    c.steps(10)
+    assert scans == [], "nothing written since the last scan: the nodes are not scanned again"
+    c.inject_fault("workers-0", "gpu-xid", xid=13)
+    running(c, job.id, 2)
+    assert scans and c.generations(job.id)[0].outcome == "restart-job"
+
+
 def test_cancel_stops_the_generation_and_frees_its_nodes(make):
     c = make(count=2, spares=1).create()
     job = c.submit(nodes=2)

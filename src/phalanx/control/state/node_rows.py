@@ -98,6 +98,11 @@ def with_fields(row, fields: dict):
 JSON_COLUMNS = ("health", "report", "directives")
 
 
+def failing(health: dict | None) -> bool:
+    """A health report (a heartbeat's `health`) in which a check failed, whatever its action."""
+    return bool(health) and any(c.get("status") == "fail" for c in health.get("checks", ()))
+
+
 def _encoded(fields: dict) -> dict:
     """Column → value as stored (the JSON columns' `_json` text)."""
     return {(k + "_json" if k in JSON_COLUMNS else k): (json.dumps(v) if k in JSON_COLUMNS and v is not None else v)

@@ -29,7 +29,7 @@ from phalanx.control.spec import ClusterSpec
 from phalanx.control.state.event_records import EventRecords
 from phalanx.control.state.node_rows import (  # noqa: F401 - the rows' types, imported from here by their users
     ALLOWED, BRINGUP_STATES, ENDED, FAULT_CAUSES, JSON_COLUMNS, ClusterStatus, IllegalTransition, Node, NodeState, S,
-    _encoded, _node, with_fields)
+    _encoded, _node, failing, with_fields)
 from phalanx.control.state.schema import SCHEMA, migrate
 from phalanx.observability.events import EventKind
 
@@ -56,7 +56,7 @@ class Store(EventRecords):
         self._order: list[str] | None = None  # owner: names by (created_at, name), rebuilt when a node is added
         self._observed: dict[str, dict] = {}  # owner: node → heartbeat observations not yet in SQLite, as stored
         self._touched: set[str] = set()  # owner: nodes whose row changed since `take_touched`, but by a beat
-        self._version = 0  # owner: counts the writes of nodes' rows and of groups, not heartbeats' observations
+        self._version = 0  # owner: counts the writes of nodes' rows and groups, and health reports with a failure
         self._flushed_at = float("-inf")  # (time.monotonic) the last flush_observed that wrote
         self._cluster_row: dict | None = None  # owner: the cluster's row, until update_cluster
         self.job_memo: dict | None = {} if owner else None  # owner: `JobRecords`' reads, until its next write
@@ -273,6 +273,8 @@ class Store(EventRecords):
                 return
             self._rows[name] = with_fields(cached, fields)
             self._touched.add(name)
+            if failing(fields.get("health")):  # a check fails: what a scan of every node finds may have moved
+                self._version += 1
             # as stored (JSON encoded now, not in a flush's lump); one equal to the row's is in SQLite or pending
             self._observed.setdefault(name, {}).update(
                 _encoded({k: v for k, v in fields.items() if k not in JSON_COLUMNS or v != getattr(cached, k)}))
@@ -379,10 +381,8 @@ class Store(EventRecords):
                 if to not in ALLOWED[frm]:
                     raise IllegalTransition(f"node {name}: {frm.value} → {to.value} is not a legal transition")
                 extra = "".join(f", {k}=?" for k in fields)
-                self._db.execute(
-                    f"UPDATE nodes SET state=?, reason=?, state_since=?{extra} WHERE name=?",
-                    (to.value, reason, now, *fields.values(), name),
-                )
+                self._db.execute(f"UPDATE nodes SET state=?, reason=?, state_since=?{extra} WHERE name=?",
+                                 (to.value, reason, now, *fields.values(), name))
                 self.log.emit(EventKind.TRANSITION, reason, node=name, from_state=frm.value, to_state=to.value)
                 self._db.execute("COMMIT")
             except BaseException:
