@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -61,8 +62,11 @@ class WorkerSupervisor(StandbyPool):
         self.held: set[str] = set()  # checkpointless jobs between generations: keep their workers as they are
         self.work_dir = work_dir
         # where each worker writes its progress: the hang rule's input, on this node (an earlier agent's go)
-        self.progress_dir = work_dir / "progress" if work_dir is not None else Path(tempfile.mkdtemp(
-            prefix="phalanx-progress-"))
+        if work_dir is not None:
+            self.progress_dir = work_dir / "progress"
+        else:  # (a supervisor with no node dir, as in tests: a directory of its own, removed with it)
+            self.progress_dir = Path(tempfile.mkdtemp(prefix="phalanx-progress-"))
+            weakref.finalize(self, shutil.rmtree, self.progress_dir, ignore_errors=True)
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         self.progress_dir.mkdir(parents=True, exist_ok=True)
         self.store_addr = store_addr  # the controller's store (standbys wait on it)
