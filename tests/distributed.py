@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from phalanx.process import exit_without_teardown
 
-PRELOAD = ["torch", "torch.distributed", "phalanx.models", "phalanx.parallel", "phalanx.train.trainer",
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "phalanx.models", "phalanx.parallel", "phalanx.train.trainer",
            "phalanx.resilience.run"]
 multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
 
