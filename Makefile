@@ -40,8 +40,11 @@ system-deps:
 	fi
 
 # The Python and the Debian installs side by side (on a fresh CI machine each takes about a minute).
+# Phalanx's bytecode is written first: where PYTHONDONTWRITEBYTECODE is set, every process a test starts (each node's
+# worker template, agent and controller) would compile the same modules again.
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) system-deps
+	$(PY) -m compileall -q src
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 
 # Prometheus (the Debian package) scraping a running cluster's controller: `make observe [CLUSTER=name] [PORT=9090]`.
