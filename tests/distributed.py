@@ -2,7 +2,8 @@
 
 The ranks are forked from multiprocessing's fork server, started once per test session with torch and the
 training code imported (`PRELOAD`): a spawned rank was a fresh interpreter importing torch (~3 s of CPU each,
-45 of them in a run of the suite). Each rank is still a process of its own, with its own process group.
+45 of them in a run of the suite). Each rank is still a process of its own, with its own process group. A rank
+inherits the environment the server started with, not the caller's: what a rank needs goes in its arguments.
 """
 
 from __future__ import annotations
