@@ -1,8 +1,8 @@
 """Run a function on N real processes with a gloo process group; collect each rank's return value.
 
-The ranks are forked from multiprocessing's fork server, started once per test session with torch and the
-training code imported (`PRELOAD`): a spawned rank was a fresh interpreter importing torch (~3 s of CPU each,
-45 of them in a run of the suite). Each rank is still a process of its own, with its own process group. A rank
+The ranks are forked from multiprocessing's fork server, started once per test session with what a node's worker
+template imports (`phalanx.zygote.PRELOAD`): a spawned rank was a fresh interpreter importing torch (~3 s of CPU
+each, 45 of them in a run of the suite). Each rank is still a process of its own, with its own process group. A rank
 inherits the environment the server started with, not the caller's: what a rank needs goes in its arguments.
 """
 
@@ -18,10 +18,9 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from phalanx.process import exit_without_teardown
+from phalanx.zygote import PRELOAD
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "phalanx.models", "phalanx.parallel", "phalanx.train.trainer",
-           "phalanx.resilience.run"]
-multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
+multiprocessing.forkserver.set_forkserver_preload(list(PRELOAD))  # (what a node's worker template imports)
 
 
 def _free_port() -> int:

@@ -27,6 +27,7 @@ Knows nothing about the controller; imports the worker's code but runs none of i
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import select
@@ -82,15 +83,16 @@ def lower_priority() -> int | None:
     return base
 
 
+# what a worker imports before its first step (both recovery modes, and rank 0's TensorBoard); torch._dynamo: the
+# model's init imports it, through torch._refs (0.75 s of CPU in every worker that imported it after its fork)
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.tensorboard", "phalanx.resilience.run",
+           "phalanx.train.trainer", "phalanx.worker")
+
+
 def preload() -> None:
-    """Import what a worker imports before its first step (both recovery modes, and rank 0's TensorBoard)."""
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (the model's init imports it, through torch._refs: 0.75 s of CPU a worker)
-    import torch.distributed  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
-    import phalanx.resilience.run  # noqa: F401
-    import phalanx.train.trainer  # noqa: F401
-    import phalanx.worker  # noqa: F401
+    """Import `PRELOAD`."""
+    for module in PRELOAD:
+        importlib.import_module(module)
 
 
 def _send(message: dict) -> None:
