@@ -202,6 +202,12 @@ class FakeBackend:
     def sweep(self, nodes: list[Node]) -> list[int]:
         return []
 
+    def start(self) -> None:
+        self.calls.append(("start", None))
+
+    def close(self) -> None:
+        self.calls.append(("close", None))
+
 
 # ---- an agent -------------------------------------------------------------------------------------------------
 @dataclass

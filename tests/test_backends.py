@@ -60,6 +60,7 @@ class Cluster:
 
     def close(self):
         self.backend.teardown(self.launched, grace_s=3.0)
+        self.backend.close()  # (as the controller does as it exits: what the backend itself runs ends)
         leaked = self.backend.sweep(self.store.nodes())
         self.store.close()
         assert not leaked, f"processes left behind: {leaked}"
@@ -139,6 +140,46 @@ def test_teardown_stops_every_running_node_and_sweep_finds_nothing_left(cluster)
     assert all(cluster.backend.gone(n) for n in nodes)
     assert cluster.backend.sweep(cluster.store.nodes()) == []
     assert cluster.backend.teardown(nodes, grace_s=3.0) == 0
+
+
+def test_local_agents_are_forked_from_one_host_template_and_each_node_is_its_own_session(tmp_path):
+    """The local backend imports torch and the training code once per cluster (its host template) and forks every
+    node's agent from it; the agent forks its node's worker template from itself at once. A node is still its
+    session: the agent leads it, its template is in it, `kill` ends both; closing the backend (the controller's
+    exit) ends the host template and no node."""
+    from phalanx.control.backends.local import cmdline, session_members
+
+    cluster = Cluster(tmp_path, "local")
+    try:
+        nodes = [cluster.launch(), cluster.launch()]
+        host_proc = cluster.backend._host.proc
+        host = host_proc.pid
+        assert "phalanx.zygote --for-host" in cmdline(host)
+        templates = {}
+        for node in nodes:
+            agent = int(node.handle)
+            assert parent(agent) == host and "node_agent --config" in cmdline(agent)
+            template = wait_for(lambda: [p for p in session_members(agent) if "zygote" in cmdline(p)], 10,
+                                "its template")
+            assert [parent(p) for p in template] == [agent], template
+            assert f"phalanx.zygote --for-node {node.name}" in cmdline(template[0])
+            templates[node.name] = template[0]
+        first = set(session_members(int(nodes[0].handle)))  # (with whatever the agent runs now: a health check)
+        assert {int(nodes[0].handle), templates[nodes[0].name]} <= first
+        assert set(cluster.backend.kill(nodes[0])) == first
+        wait_for(lambda: cluster.backend.gone(nodes[0]), 5, "the killed node to be gone")
+        cluster.backend.close()
+        assert host_proc.poll() is not None, "close() waits for the host template to end"
+        time.sleep(0.3)
+        assert cluster.backend.gone(nodes[1]) is None
+        assert {int(nodes[1].handle), templates[nodes[1].name]} <= set(session_members(int(nodes[1].handle)))
+    finally:
+        cluster.close()
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_a_state_db_from_before_node_handles_keeps_its_agents(tmp_path):

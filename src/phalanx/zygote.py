@@ -4,6 +4,10 @@ asks for. A forked worker skips the interpreter start and the imports (3.4 s of 
 what a cold replacement, a restarted generation and a standby refill used to spend before their first step.
 `python -m phalanx.zygote --for-launcher` is the same for `phalanx train --nproc N` (`train/forked.py`): one
 import for the N ranks, and no yielding (`lower_priority`): the ranks it forks are all there is to run.
+`python -m phalanx.zygote --for-host CLUSTER_DIR` is the local backend's: every node of a local cluster is on this
+machine, so one process imports torch, the training code and the agent, and forks each node's *agent* (a session
+of its own: the node), which at once forks its node's worker template from itself, before it starts a thread
+(`control/agent/template.py`): one import per local cluster instead of one per node (4.5-7 s of CPU each here).
 
 The agent speaks JSON lines on the template's stdin and stdout (`control/agent/template.py` is the other
 side):
@@ -15,6 +19,7 @@ side):
     ← {"id": N, "pid": P} | {"id": N, "error": "..."}  the answer to each request
     ← {"exited": P, "code": C}                         a forked worker ended (C as Popen.returncode)
 
+A request with `"session": true` (an agent) makes the child a session leader and may name its `"umask"`.
 The child becomes what a fresh `python -m phalanx.worker` would be: its own process group, stdin from
 /dev/null, stdout and stderr appended to FILE, the working directory and the environment it was given (the
 template's own environment is dropped whole), its command line in `ps` (setproctitle) — then it runs
@@ -40,6 +45,7 @@ from typing import NoReturn
 from phalanx.process import exit_without_teardown  # (the standard library only)
 
 FORKABLE = ("phalanx.worker", "phalanx.train.worker")
+AGENT_MODULE = "phalanx.control.agent.node_agent"  # what a host template (`--for-host`) forks, and only that
 # The template's imports and a warm standby's warm-up are done ahead of need: they yield to training on the same
 # host (the local backend's nodes share one machine; on 2 cores a spare's refill importing torch slowed the
 # replayed steps of a restart by a fifth) by running under SCHED_IDLE, which any runnable normal thread preempts
@@ -89,10 +95,21 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.tensorboa
            "phalanx.train.trainer", "phalanx.worker")
 
 
-def preload() -> None:
-    """Import `PRELOAD`."""
-    for module in PRELOAD:
+_preloaded = False
+_forks: tuple[str, ...] = FORKABLE  # the modules this template forks (a host template: the agent's)
+
+
+def preload(extra: tuple[str, ...] = ()) -> None:
+    """Import `PRELOAD` (and `extra`)."""
+    global _preloaded
+    for module in PRELOAD + extra:
         importlib.import_module(module)
+    _preloaded = True
+
+
+def preloaded() -> bool:
+    """This process has the imports (it is a template, or was forked from one): forking it skips them."""
+    return _preloaded
 
 
 def _send(message: dict) -> None:
@@ -108,7 +125,12 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in wakeup:
             os.close(fd)
-        os.setpgid(0, 0)  # a process group of its own: a stop reaches its children (as for a plain exec)
+        if request.get("session"):  # an agent: its session is its node (the local backend kills the session)
+            os.setsid()
+        else:
+            os.setpgid(0, 0)  # a process group of its own: a stop reaches its children (as for a plain exec)
+        if request.get("umask") is not None:
+            os.umask(request["umask"])
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
@@ -137,9 +159,14 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
                 restore_priority(_base_policy)
         import importlib.util
 
-        from phalanx.worker import entry
-
         sys.argv = [importlib.util.find_spec(argv[2]).origin] + argv[3:]  # as `python -m MODULE args...` leaves it
+        if argv[2] == AGENT_MODULE:
+            try:
+                code = importlib.import_module(AGENT_MODULE).main(argv[3:])
+            except SystemExit as done:  # (argparse's refusal)
+                code = done.code
+            exit_without_teardown(code if isinstance(code, int) else 1)
+        from phalanx.worker import entry
 
         entry()
     except BaseException:  # noqa: BLE001 - whatever went wrong goes to the worker's log, the exit says it failed
@@ -149,11 +176,17 @@ def _become_worker(request: dict, wakeup: tuple[int, int]) -> None:
     os._exit(127)
 
 
-def serve(*, yielding: bool = True) -> NoReturn:  # (it exits when the agent closes its stdin)
-    global _base_policy
+def serve(*, yielding: bool = True, agents: bool = False) -> NoReturn:  # (it exits when its stdin closes)
+    """Answer fork requests on stdin. `agents`: a host template, which forks node agents instead of workers."""
+    global _base_policy, _forks
     started = time.perf_counter()
     _base_policy = lower_priority() if yielding else None
-    preload()
+    _forks = (AGENT_MODULE,) if agents else FORKABLE
+    preload((AGENT_MODULE,) if agents else ())
+    if agents:  # what the agents inherit stays shared with this process: out of the collector's sight
+        import gc
+
+        gc.freeze()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -188,8 +221,8 @@ def serve(*, yielding: bool = True) -> NoReturn:  # (it exits when the agent clo
 
 def _fork(request: dict, wakeup: tuple[int, int]) -> None:
     argv = request.get("argv") or []
-    if len(argv) < 3 or argv[1] != "-m" or argv[2] not in FORKABLE:
-        _send({"id": request.get("id"), "error": f"not a forkable worker command: {argv[:3]}"})
+    if len(argv) < 3 or argv[1] != "-m" or argv[2] not in _forks:
+        _send({"id": request.get("id"), "error": f"not a command this template forks: {argv[:3]}"})
         return
     if not request.get("log") and not isinstance(request.get("stdout_fd"), int):
         _send({"id": request.get("id"), "error": "a request names its output: log (a file) or stdout_fd"})
@@ -247,12 +280,17 @@ def running(pid: int) -> bool:
 def main() -> int:
     if "--for-launcher" in sys.argv[1:]:
         return serve(yielding=False)
+    if "--for-host" in sys.argv[1:]:  # (its argument, the cluster's dir, names it in `ps`)
+        return serve(yielding=False, agents=True)
     if "--for-node" not in sys.argv[1:]:
-        print("usage: python -m phalanx.zygote --for-node NAME | --for-launcher (started by a node agent or by "
-              "`phalanx train`, which speak to it on stdin/stdout)", file=sys.stderr)
+        print("usage: python -m phalanx.zygote --for-node NAME | --for-launcher | --for-host CLUSTER_DIR (started "
+              "by a node agent, by `phalanx train`, or by a local cluster's controller, which speak to it on "
+              "stdin/stdout)", file=sys.stderr)
         return 2
     return serve()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # (run as the importable module, whose state the agents it forks read: `preloaded`)
+    from phalanx import zygote
+
+    sys.exit(zygote.main())

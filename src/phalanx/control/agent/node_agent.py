@@ -106,7 +106,9 @@ class Agent:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # has a GPU, which a local cluster's nodes would otherwise share
         self.deep = DeepCheckRunner(self.work_dir)
         self.wake = threading.Event()  # heartbeat now (a worker exited, or the agent is stopping)
-        self.template = WorkerTemplate(self.name, self.work_dir) if cfg.get("worker_template", True) else None
+        # (forked from this process at once when it came from a local cluster's host template: no thread runs yet)
+        self.template = WorkerTemplate(self.name, self.work_dir, fork_now=True) \
+            if cfg.get("worker_template", True) else None
         self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set,
                                         work_dir=self.work_dir, store_addr=self.store_addr, template=self.template)
         self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)

@@ -13,6 +13,11 @@ supervisor uses (pid, poll, wait, returncode), fed by the template's exit report
 workers that are still running are still watched (through /proc); one that is gone without a report counts as
 killed (SIGKILL), and the next `fork()` starts a new template (at most `MAX_STARTS` in the agent's life).
 
+An agent forked from its local cluster's host template (`python -m phalanx.zygote --for-host`: torch and the
+training code imported already) forks its first template from itself instead (`fork_now`, `fork_template`),
+while it has no thread: no import at all, ready at once. The local backend holds its host template through this
+same class (`host=True`): it forks agents, each in a session of its own.
+
 Standard library only (and `phalanx.zygote`'s constants). Must not know: torch, scheduling policy.
 """
 
@@ -26,11 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from phalanx.control.agent.slurm_allocation import ignoring_usr2
 # (zygote's module level is the standard library: torch loads only in `preload`)
-from phalanx.zygote import FORKABLE, ForkedChild, running
+from phalanx import zygote
+from phalanx.zygote import AGENT_MODULE, FORKABLE, ForkedChild, running
 
 log = logging.getLogger("phalanx.agent.template")
 
@@ -52,9 +59,9 @@ def on_this_host(argv: list[str]) -> list[str]:
     return argv
 
 
-def forkable(argv: list[str]) -> bool:
+def forkable(argv: list[str], modules: tuple[str, ...] = FORKABLE) -> bool:
     """A training worker this interpreter would run (`python -m phalanx.worker ...`): the template runs it."""
-    return len(argv) >= 3 and argv[1] == "-m" and argv[2] in FORKABLE and \
+    return len(argv) >= 3 and argv[1] == "-m" and argv[2] in modules and \
         os.path.realpath(argv[0]) == os.path.realpath(sys.executable)
 
 
@@ -71,11 +78,90 @@ class ForkedProcess(ForkedChild):
         return self.template.exit_code(self.source, self.pid)
 
 
+class AdoptedTemplate:
+    """A worker template this agent forked from itself (`fork_template`): what `WorkerTemplate` calls on the
+    `subprocess.Popen` of one it started (pid, stdin, stdout, poll, wait, kill)."""
+
+    def __init__(self, pid: int, stdin, stdout):
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.args = ["(forked from the agent)"]
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # (the reader thread and close() both wait for it)
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # (not this process's child any more: how it ended is unknown)
+                    self.returncode = -signal.SIGKILL
+                else:
+                    if pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def fork_template(node: str, work_dir: Path) -> AdoptedTemplate:
+    """Fork the node's worker template from this process: an agent forked from a host template (the imports
+    done), before it starts any thread. The child serves like `python -m phalanx.zygote --for-node NODE` (and is
+    named so in `ps`): stdin and stdout are pipes to this agent, stderr WORK_DIR/template.log."""
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(to_r, 0)
+            os.dup2(from_w, 1)
+            for fd in (to_r, to_w, from_r, from_w):
+                os.close(fd)
+            err = os.open(work_dir / "template.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(err, 2)
+            os.close(err)
+            argv = [sys.executable, "-m", TEMPLATE_MODULE, "--for-node", node]
+            try:
+                import setproctitle
+
+                setproctitle.setproctitle(" ".join(argv))
+            except ImportError:  # pragma: no cover - a dependency
+                pass
+            sys.argv = [argv[0], *argv[3:]]
+            zygote.serve()
+        except BaseException:  # noqa: BLE001 - into template.log; the agent sees the template gone
+            traceback.print_exc()
+        os._exit(127)
+    os.close(to_r)
+    os.close(from_w)
+    return AdoptedTemplate(pid, os.fdopen(to_w, "wb", buffering=0), os.fdopen(from_r, "rb"))
+
+
 class WorkerTemplate:
-    def __init__(self, node: str, work_dir: Path):
+    def __init__(self, node: str, work_dir: Path, *, fork_now: bool = False, host: bool = False):
+        """`fork_now`: fork the template from this process now (see `fork_template`), when it is safe: this
+        process has the imports and runs no other thread; otherwise `start()` launches one as usual. `host`: a
+        local cluster's host template (`node` names the cluster's dir), which forks agents."""
         self.node = node
         self.work_dir = work_dir
-        self.proc: subprocess.Popen | None = None
+        self.host = host
+        self.modules = (AGENT_MODULE,) if host else FORKABLE
+        self.label = "agent template" if host else "worker template"
+        self.adopted = fork_template(node, work_dir) if (
+            fork_now and not host and zygote.preloaded() and threading.active_count() == 1) else None
+        self.proc: subprocess.Popen | AdoptedTemplate | None = None
         self.ready = False
         self.starts = 0
         self.closed = False  # the agent is exiting: no new template
@@ -88,30 +174,42 @@ class WorkerTemplate:
     # ---- life -------------------------------------------------------------------------------------------
     def start(self) -> None:
         with self.lock:
+            adopted, self.adopted = self.adopted, None
+            if adopted is not None and (self.closed or adopted.poll() is not None):
+                adopted.stdin.close()  # (gone already, or not wanted: one started below, or none)
+                adopted.kill()
+                adopted = None
             if self.closed or self.starts >= MAX_STARTS or (self.proc is not None and self.proc.poll() is None):
                 return
             self.starts += 1
             self.ready = False
-            with open(self.work_dir / "template.log", "ab") as err:
-                argv = ignoring_usr2([sys.executable, "-m", TEMPLATE_MODULE, "--for-node", self.node])
-                self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                             cwd=self.work_dir, bufsize=0)
+            if adopted is not None:
+                self.proc = adopted
+                how = "forked from this agent, whose host template imported torch"
+            else:
+                log_name, mode = ("agent-template.log", "--for-host") if self.host else ("template.log", "--for-node")
+                with open(self.work_dir / log_name, "ab") as err:
+                    argv = ignoring_usr2([sys.executable, "-m", TEMPLATE_MODULE, mode, self.node])
+                    self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                                 cwd=self.work_dir, bufsize=0)
+                how = "torch imported once"
             threading.Thread(target=self._read, args=(self.proc,), name="template", daemon=True).start()
-            log.info("worker template started (pid %d): torch imported once, workers forked from it", self.proc.pid)
+            log.info("%s started (pid %d): %s, %s forked from it", self.label, self.proc.pid, how,
+                     "agents" if self.host else "workers")
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             try:
                 msg = json.loads(line)
             except ValueError:
-                log.warning("worker template said something unreadable: %r", line[:200])
+                log.warning("%s said something unreadable: %r", self.label, line[:200])
                 continue
             with self.cond:
                 if "exited" in msg:
                     self.exits[msg["exited"]] = msg["code"]
                 elif "ready" in msg:
                     self.ready = True
-                    log.info("worker template ready (pid %d, imports took %.2f s%s)", msg["pid"], msg["import_s"],
+                    log.info("%s ready (pid %d, imports took %.2f s%s)", self.label, msg["pid"], msg["import_s"],
                              ", under SCHED_IDLE" if msg.get("idle") else "")
                 elif "id" in msg:
                     self.replies[msg["id"]] = msg
@@ -123,14 +221,22 @@ class WorkerTemplate:
                 self.ready = False
             self.cond.notify_all()
         if not getattr(proc, "closing", False):
-            log.warning("worker template (pid %d) ended (code %s); its running workers are watched through /proc, "
-                        "the next worker starts a new template", proc.pid, code)
+            log.warning("%s (pid %d) ended (code %s); what it forked and still runs is watched through /proc, "
+                        "the next fork starts a new template", self.label, proc.pid, code)
 
     def close(self) -> None:
         """The agent is exiting: end the template (its stdin closes; SIGKILL after 2 s). One still importing torch
         reads its stdin only once the import is done, and has forked nothing yet: it is killed at once."""
         with self.lock:
             proc, self.proc, self.closed = self.proc, None, True
+            adopted, self.adopted = self.adopted, None
+        if adopted is not None:  # forked, never started (its node never became healthy): it reads its stdin
+            adopted.stdin.close()
+            try:
+                adopted.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                adopted.kill()
+                adopted.wait()
         if proc is None:
             return
         proc.closing = True
@@ -173,12 +279,27 @@ class WorkerTemplate:
         except OSError as err:  # (gone, or not permitted: the wait is bounded either way)
             log.debug("could not lift the worker template's SCHED_IDLE: %s", err)
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Start the template if it is not running, and wait until it is ready (at most `timeout` s)."""
+        self.start()
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not self.ready:
+                proc, left = self.proc, deadline - time.monotonic()
+                if proc is None or getattr(proc, "drained", False) or left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.5))
+        return True
+
     # ---- forking ----------------------------------------------------------------------------------------
-    def fork(self, argv: list[str], env: dict[str, str], cwd: str | Path, log_path: Path) -> ForkedProcess:
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str | Path, log_path: Path,
+             **extra) -> ForkedProcess:
         """Fork a worker running `argv` (which must be `forkable`) with exactly `env`, in `cwd`, output appended
-        to `log_path`. Raises TemplateUnavailable when the template cannot (the caller execs it instead)."""
-        if not forkable(argv):
-            raise TemplateUnavailable(f"not a training worker command: {' '.join(argv[:3])}")
+        to `log_path` (`extra`: more fields of the request, see `phalanx.zygote`). Raises TemplateUnavailable when
+        the template cannot (the caller execs it instead)."""
+        if not forkable(argv, self.modules):
+            what = "an agent" if self.host else "a training worker"
+            raise TemplateUnavailable(f"not {what} command: {' '.join(argv[:3])}")
         proc = self.proc
         if proc is None or proc.poll() is not None:
             self.start()  # (a template that died; none before the node's bring-up started one)
@@ -188,17 +309,18 @@ class WorkerTemplate:
         with self.lock:
             self._seq += 1
             rid = self._seq
-            request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": str(cwd), "log": str(log_path)}
+            request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": str(cwd), "log": str(log_path),
+                       **extra}
             try:
                 proc.stdin.write((json.dumps(request) + "\n").encode())
             except (OSError, ValueError) as err:
-                raise TemplateUnavailable(f"the worker template is gone ({err})") from None
+                raise TemplateUnavailable(f"the {self.label} is gone ({err})") from None
             deadline = time.monotonic() + FORK_TIMEOUT_S
             with self.cond:
                 while rid not in self.replies:
                     left = deadline - time.monotonic()
                     if left <= 0 or getattr(proc, "drained", False):
-                        raise TemplateUnavailable("the worker template did not answer")
+                        raise TemplateUnavailable(f"the {self.label} did not answer")
                     self.cond.wait(left)
                 reply = self.replies.pop(rid)
                 if "error" in reply:

@@ -84,3 +84,11 @@ class Backend(Protocol):
 
     def sweep(self, nodes: list[Node]) -> list[int]:
         """After a delete: kill whatever of the cluster still runs (a leak). Returns the pids killed."""
+
+    def start(self) -> None:
+        """The controller starts: start what the backend itself runs, without waiting for it (local: its host
+        template, which then imports while the controller starts up)."""
+
+    def close(self) -> None:
+        """The controller is exiting: release what the backend itself runs (local: its host template). The nodes
+        are not touched."""

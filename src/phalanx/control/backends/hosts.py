@@ -125,5 +125,11 @@ class HostsBackend:
     def remediate(self, node: Node, reason: str, cause: str) -> None:
         return None  # no scheduler to hand a faulty node back to
 
+    def start(self) -> None:
+        return None  # nothing of its own runs beside the controller
+
+    def close(self) -> None:
+        return None  # nothing of its own runs beside the controller
+
     def sweep(self, nodes: list[Node]) -> list[int]:
         return []

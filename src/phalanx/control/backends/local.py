@@ -3,7 +3,10 @@ session (so the session is the node: the agent, its lifecycle script, and its wo
 process group of its own inside that session), with its own work dir.
 
     launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent.node_agent` → handle:
-                      the agent's pid, as text (the store keeps it opaque)
+                      the agent's pid, as text (the store keeps it opaque). Forked from the cluster's host template
+                      (`python -m phalanx.zygote --for-host`, started at the first launch: torch, the training
+                      code and the agent imported once for every node) when a group keeps worker templates;
+                      exec'd when there is none or it fails
     gone(node)        None while the node's agent runs, else why it is gone (exit code / signal)
     terminate(node)   SIGTERM the agent (it stops its workers and exits); SIGCONT in case it is frozen
     kill(node)        SIGKILL the whole node (its session) — what a power loss does
@@ -15,6 +18,8 @@ process group of its own inside that session), with its own work dir.
     worker_env()      gloo on loopback, one OpenMP thread per rank (every node shares this machine)
     teardown(nodes)   the controller is down (`cluster delete`): terminate, then kill after the grace
     sweep(nodes)      after a delete: SIGKILL anything of the cluster still running (found through /proc)
+    start()           the controller starts: its host template starts importing
+    close()           the controller exits: its host template ends (the agents it forked run on)
 
 Processes are always identified by pid *and* command line (a pid alone may have been reused).
 Implements `base.Backend`. Knows nothing about the reconciler's policy, HTTP or SQLite.
@@ -23,6 +28,7 @@ Implements `base.Backend`. Knows nothing about the reconciler's policy, HTTP or 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -34,10 +40,13 @@ from pathlib import Path
 from phalanx.control.state.paths import PRIVATE_UMASK, ClusterPaths, open_private_log
 from phalanx.control.spec import ClusterSpec, agent_settings
 from phalanx.control.state.store import Node
+from phalanx.control.agent.template import TemplateUnavailable, WorkerTemplate
 from phalanx.control.agent.worker import describe_exit
 
 AGENT_MODULE = "phalanx.control.agent.node_agent"
 CONTROLLER_MODULE = "phalanx.control.server.daemon"  # what `cluster start` runs (`python -m`)
+log = logging.getLogger("phalanx.backend.local")
+HOST_TEMPLATE_WAIT_S = 60.0  # the first launch waits this long for the host template's imports, then execs
 
 
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -140,7 +149,8 @@ class LocalBackend:
     def __init__(self, paths: ClusterPaths, spec: ClusterSpec):
         self.paths = paths
         self.spec = spec
-        self._children: dict[str, subprocess.Popen] = {}  # agents this controller process started
+        self._children: dict[str, subprocess.Popen] = {}  # agents this controller process started (or forked)
+        self._host: WorkerTemplate | None = None  # the host template, once a launch wanted it
 
     def agent_config_path(self, node: Node) -> Path:
         return Path(node.work_dir) / "agent.json"
@@ -159,14 +169,41 @@ class LocalBackend:
         }
         config_path = self.agent_config_path(node)
         config_path.write_text(json.dumps(cfg, indent=2))
-        with open_private_log(work / "agent.log") as log:  # umask 077: the node's files are this user's only
+        argv = [sys.executable, "-m", AGENT_MODULE, "--config", str(config_path)]
+        host = self._host_template()
+        if host is not None:
+            try:
+                forked = host.fork(argv, dict(os.environ), work, work / "agent.log", session=True,
+                                   umask=PRIVATE_UMASK)
+            except TemplateUnavailable as why:
+                log.warning("node %s: its agent is exec'd, not forked from the host template (%s)", node.name, why)
+            else:
+                self._children[node.name] = forked
+                return str(forked.pid)
+        with open_private_log(work / "agent.log") as out:  # umask 077: the node's files are this user's only
             proc = subprocess.Popen(
-                [sys.executable, "-m", AGENT_MODULE, "--config", str(config_path)],
-                cwd=work, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                argv, cwd=work, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 umask=PRIVATE_UMASK,
             )
         self._children[node.name] = proc
         return str(proc.pid)
+
+    def start(self) -> None:
+        if any(g.worker_template for g in self.spec.instance_groups) and self._host is None:
+            self._host = WorkerTemplate(str(self.paths.root), self.paths.root, host=True)
+            self._host.start()
+
+    def _host_template(self) -> WorkerTemplate | None:
+        """The cluster's host template, ready (started now if `start` did not, waited for up to
+        HOST_TEMPLATE_WAIT_S); None when no group keeps worker templates, or it is not there."""
+        self.start()
+        if self._host is None:
+            return None
+        return self._host if self._host.wait_ready(HOST_TEMPLATE_WAIT_S) else None
+
+    def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
 
     def gone(self, node: Node) -> str | None:
         """None while the node's agent process runs; otherwise a phrase saying how it ended."""
@@ -256,7 +293,9 @@ class LocalBackend:
             if n.handle and process_running(_pid(n), self._marker(n)):
                 victims.update(session_members(_pid(n)))
         victims.update(p for p in processes_mentioning(str(self.paths.root))
-                       if CONTROLLER_MODULE in cmdline(p) or AGENT_MODULE in cmdline(p))
+                       if any(m in cmdline(p) for m in (CONTROLLER_MODULE, AGENT_MODULE, "phalanx.zygote --for-host")))
+        if self._host is not None and self._host.proc is not None:
+            victims.discard(self._host.proc.pid)  # (this process's own, running: `close()` ends it)
         killed = []
         for pid in sorted(victims):
             try:

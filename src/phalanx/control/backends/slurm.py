@@ -281,6 +281,12 @@ class SlurmBackend(HostsBackend):
     def teardown(self, nodes: list[Node], grace_s: float) -> int:
         return len(self.sweep(nodes))
 
+    def start(self) -> None:
+        return None  # nothing of its own runs beside the controller
+
+    def close(self) -> None:
+        return None  # nothing of its own runs beside the controller
+
     def sweep(self, nodes: list[Node]) -> list[int]:
         """Cancel every Slurm job of the cluster; [] (no local pids: Slurm ends the processes)."""
         self.poller.stop()

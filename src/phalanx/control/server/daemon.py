@@ -179,6 +179,7 @@ class Controller:
 
     def run(self) -> int:
         self._claim_pid_file()
+        self.backend.start()  # (local: its host template imports torch while this controller starts)
         cluster = self.store.cluster()
         if cluster["status"] in (ClusterStatus.FAILED.value, ClusterStatus.DELETED.value):
             raise SystemExit(f"cluster {cluster['name']} is {cluster['status']}; delete it and create it again")
@@ -247,6 +248,7 @@ class Controller:
                     self.stop_all_nodes(self._stop_nodes_reason)
                 if self.store.cluster()["status"] == ClusterStatus.DELETING.value:
                     self.store.set_status(ClusterStatus.DELETED, "every node and the controller stopped")
+            self.backend.close()
             self.store.record_event(E.CONTROLLER, f"controller stopped (pid {os.getpid()})")
             self.paths.endpoint.unlink(missing_ok=True)
             self.paths.pid_file.unlink(missing_ok=True)
