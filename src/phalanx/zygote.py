@@ -183,16 +183,20 @@ def serve(*, yielding: bool = True, agents: bool = False) -> NoReturn:  # (it ex
     _base_policy = lower_priority() if yielding else None
     _forks = (AGENT_MODULE,) if agents else FORKABLE
     preload((AGENT_MODULE,) if agents else ())
+    idle = _base_policy is not None
     if agents:  # what the agents inherit stays shared with this process: out of the collector's sight
         import gc
 
         gc.freeze()
+        if _base_policy is not None:  # only the import yields: an agent is forked (and runs) at the base policy,
+            restore_priority(_base_policy)  # even while a job's workers keep every core busy
+            _base_policy = None
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (a handler, so the wakeup fd hears of every exit)
     _send({"ready": True, "pid": os.getpid(), "import_s": round(time.perf_counter() - started, 3),
-           "idle": _base_policy is not None})
+           "idle": idle})
     pending = b""
     while True:
         readable, _, _ = select.select([0, wake_r], [], [], 1.0)
@@ -281,7 +285,7 @@ def main() -> int:
     if "--for-launcher" in sys.argv[1:]:
         return serve(yielding=False)
     if "--for-host" in sys.argv[1:]:  # (its argument, the cluster's dir, names it in `ps`)
-        return serve(yielding=False, agents=True)
+        return serve(agents=True)  # (its import yields: a restarted controller's must not slow a recovery)
     if "--for-node" not in sys.argv[1:]:
         print("usage: python -m phalanx.zygote --for-node NAME | --for-launcher | --for-host CLUSTER_DIR (started "
               "by a node agent, by `phalanx train`, or by a local cluster's controller, which speak to it on "

@@ -280,16 +280,19 @@ class WorkerTemplate:
             log.debug("could not lift the worker template's SCHED_IDLE: %s", err)
 
     def wait_ready(self, timeout: float) -> bool:
-        """Start the template if it is not running, and wait until it is ready (at most `timeout` s)."""
+        """Start the template if it is not running, and wait until it is ready (at most `timeout` s), hurrying
+        it meanwhile (`hurry`: the caller waits for it)."""
         self.start()
         deadline = time.monotonic() + timeout
-        with self.cond:
-            while not self.ready:
+        while True:
+            self.hurry()  # (again each time: one that had not lowered itself yet)
+            with self.cond:
                 proc, left = self.proc, deadline - time.monotonic()
+                if self.ready:
+                    return True
                 if proc is None or getattr(proc, "drained", False) or left <= 0:
                     return False
                 self.cond.wait(min(left, 0.5))
-        return True
 
     # ---- forking ----------------------------------------------------------------------------------------
     def fork(self, argv: list[str], env: dict[str, str], cwd: str | Path, log_path: Path,

@@ -195,7 +195,8 @@ class LocalBackend:
 
     def _host_template(self) -> WorkerTemplate | None:
         """The cluster's host template, ready (started now if `start` did not, waited for up to
-        HOST_TEMPLATE_WAIT_S); None when no group keeps worker templates, or it is not there."""
+        HOST_TEMPLATE_WAIT_S, its import no longer yielding); None when no group keeps worker templates, or it is
+        not there."""
         self.start()
         if self._host is None:
             return None
