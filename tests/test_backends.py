@@ -38,11 +38,13 @@ def wait_for(predicate, timeout_s: float, what: str):
 class Cluster:
     """A cluster directory with its store and backend, and no controller: nodes are launched by hand."""
 
-    def __init__(self, root, kind: str):
+    def __init__(self, root, kind: str, worker_template: bool = False):
+        """`worker_template` (local): the agents are forked from the cluster's host template, which imports torch
+        first (~5 s of CPU); without, each agent is exec'd and, never healthy here, starts no template."""
         self.paths = ClusterPaths(root / "c1")
         self.paths.root.mkdir(parents=True, mode=0o700)
-        group = {"name": "workers", "instance_type": "local.cpu-1", "count": 2, "spares": 0,
-                 "warm_standby": False}
+        group = {"name": "workers", "instance_type": "local.cpu-1", "count": 3, "spares": 0,
+                 "warm_standby": False, "worker_template": worker_template}
         self.spec = spec_from_dict({"name": "c1", "backend": kind, "instance_groups": [group]})
         self.paths.write_token()
         self.store = Store(self.paths.db)
@@ -146,12 +148,13 @@ def test_local_agents_are_forked_from_one_host_template_and_each_node_is_its_own
     """The local backend imports torch and the training code once per cluster (its host template) and forks every
     node's agent from it; the agent forks its node's worker template from itself at once. A node is still its
     session: the agent leads it, its template is in it, `kill` ends both; closing the backend (the controller's
-    exit) ends the host template and no node."""
+    exit) ends the host template and no node. Freeze and terminate work on a forked agent as on an exec'd one, and
+    its exit code reaches the backend (the host template reports it)."""
     from phalanx.control.backends.local import cmdline, session_members
 
-    cluster = Cluster(tmp_path, "local")
+    cluster = Cluster(tmp_path, "local", worker_template=True)
     try:
-        nodes = [cluster.launch(), cluster.launch()]
+        nodes = [cluster.launch(), cluster.launch(), cluster.launch()]
         host_proc = cluster.backend._host.proc
         host = host_proc.pid
         assert "phalanx.zygote --for-host" in cmdline(host)
@@ -168,6 +171,12 @@ def test_local_agents_are_forked_from_one_host_template_and_each_node_is_its_own
         assert {int(nodes[0].handle), templates[nodes[0].name]} <= first
         assert set(cluster.backend.kill(nodes[0])) == first
         wait_for(lambda: cluster.backend.gone(nodes[0]), 5, "the killed node to be gone")
+        cluster.backend.freeze(nodes[2])
+        time.sleep(0.3)
+        assert cluster.backend.gone(nodes[2]) is None
+        cluster.backend.terminate(nodes[2])
+        why = wait_for(lambda: cluster.backend.gone(nodes[2]), 10, "the frozen node to end after terminate")
+        assert why.startswith(f"agent process {nodes[2].handle} ") and "no longer running" not in why, why
         cluster.backend.close()
         assert host_proc.poll() is not None, "close() waits for the host template to end"
         time.sleep(0.3)

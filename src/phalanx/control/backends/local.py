@@ -4,9 +4,9 @@ process group of its own inside that session), with its own work dir.
 
     launch(node)      write WORK_DIR/agent.json, start `python -m phalanx.control.agent.node_agent` → handle:
                       the agent's pid, as text (the store keeps it opaque). Forked from the cluster's host template
-                      (`python -m phalanx.zygote --for-host`, started at the first launch: torch, the training
-                      code and the agent imported once for every node) when a group keeps worker templates;
-                      exec'd when there is none or it fails
+                      (`python -m phalanx.zygote --for-host`, started with the controller: torch, the training
+                      code and the agent imported once for every node; the first launch waits for it) when a
+                      group keeps worker templates; exec'd when there is none or it fails
     gone(node)        None while the node's agent runs, else why it is gone (exit code / signal)
     terminate(node)   SIGTERM the agent (it stops its workers and exits); SIGCONT in case it is frozen
     kill(node)        SIGKILL the whole node (its session) — what a power loss does
@@ -150,7 +150,7 @@ class LocalBackend:
         self.paths = paths
         self.spec = spec
         self._children: dict[str, subprocess.Popen] = {}  # agents this controller process started (or forked)
-        self._host: WorkerTemplate | None = None  # the host template, once a launch wanted it
+        self._host: WorkerTemplate | None = None  # the host template, once started
 
     def agent_config_path(self, node: Node) -> Path:
         return Path(node.work_dir) / "agent.json"
