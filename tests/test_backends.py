@@ -149,7 +149,8 @@ def test_local_agents_are_forked_from_one_host_template_and_each_node_is_its_own
     node's agent from it; the agent forks its node's worker template from itself at once. A node is still its
     session: the agent leads it, its template is in it, `kill` ends both; closing the backend (the controller's
     exit) ends the host template and no node. Freeze and terminate work on a forked agent as on an exec'd one, and
-    its exit code reaches the backend (the host template reports it)."""
+    its exit code reaches the backend (the host template reports it). A host template that dies leaves its agents
+    running, and the next launch starts another."""
     from phalanx.control.backends.local import cmdline, session_members
 
     cluster = Cluster(tmp_path, "local", worker_template=True)
@@ -177,11 +178,24 @@ def test_local_agents_are_forked_from_one_host_template_and_each_node_is_its_own
         cluster.backend.terminate(nodes[2])
         why = wait_for(lambda: cluster.backend.gone(nodes[2]), 10, "the frozen node to end after terminate")
         assert why.startswith(f"agent process {nodes[2].handle} ") and "no longer running" not in why, why
+
+        # the host template dies: its agents run on; the next launch forks from a new one
+        host_proc.kill()
+        host_proc.wait()
+        time.sleep(0.3)
+        assert cluster.backend.gone(nodes[1]) is None
+        late = cluster.launch()
+        host_proc = cluster.backend._host.proc
+        assert host_proc.pid != host and parent(int(late.handle)) == host_proc.pid
+        cluster.backend.terminate(nodes[1])  # forked by the dead one: nobody reports how it ended, and it says so
+        why = wait_for(lambda: cluster.backend.gone(nodes[1]), 10, "the orphaned agent to end after terminate")
+        assert "how it ended is unknown" in why, why
+
         cluster.backend.close()
         assert host_proc.poll() is not None, "close() waits for the host template to end"
         time.sleep(0.3)
-        assert cluster.backend.gone(nodes[1]) is None
-        assert {int(nodes[1].handle), templates[nodes[1].name]} <= set(session_members(int(nodes[1].handle)))
+        assert cluster.backend.gone(late) is None
+        assert int(late.handle) in session_members(int(late.handle))
     finally:
         cluster.close()
 

@@ -169,6 +169,7 @@ class WorkerTemplate:
         self.cond = threading.Condition()
         self.replies: dict[int, dict] = {}
         self.exits: dict[int, int] = {}
+        self.unseen: set[int] = set()  # forked processes that ended after their template: no report of how
         self._seq = 0
 
     # ---- life -------------------------------------------------------------------------------------------
@@ -337,6 +338,7 @@ class WorkerTemplate:
                 return self.exits.pop(pid)
             if not getattr(source, "drained", False) or running(pid):
                 return None  # its template will report its exit (or, gone, it still runs)
+            self.unseen.add(pid)
         return -signal.SIGKILL  # its template died before it, and it is gone: nobody saw how it ended
 
     def is_template(self, pid: int) -> bool:

@@ -211,7 +211,12 @@ class LocalBackend:
         child = self._children.get(node.name)
         if child is not None:
             code = child.poll()
-            return None if code is None else f"agent process {child.pid} {describe_exit(code)}"
+            if code is None:
+                return None
+            if self._host is not None and child.pid in self._host.unseen:
+                return f"agent process {child.pid} is no longer running (how it ended is unknown: the host template " \
+                       f"that forked it ended first)"
+            return f"agent process {child.pid} {describe_exit(code)}"
         if process_running(_pid(node), self._marker(node)):
             return None
         return f"agent process {node.handle} is no longer running"
