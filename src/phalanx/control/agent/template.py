@@ -78,35 +78,27 @@ class ForkedProcess(ForkedChild):
         return self.template.exit_code(self.source, self.pid)
 
 
-class AdoptedTemplate:
+class AdoptedTemplate(ForkedChild):
     """A worker template this agent forked from itself (`fork_template`): what `WorkerTemplate` calls on the
     `subprocess.Popen` of one it started (pid, stdin, stdout, poll, wait, kill)."""
 
     def __init__(self, pid: int, stdin, stdout):
         self.pid, self.stdin, self.stdout = pid, stdin, stdout
         self.args = ["(forked from the agent)"]
-        self.returncode: int | None = None
-        self._lock = threading.Lock()  # (the reader thread and close() both wait for it)
+        self._status: int | None = None
+        self._lock = threading.Lock()  # (the reader thread and close() both wait for it: one reaps it)
 
-    def poll(self) -> int | None:
+    def _exit_code(self) -> int | None:
         with self._lock:
-            if self.returncode is None:
+            if self._status is None:
                 try:
                     pid, status = os.waitpid(self.pid, os.WNOHANG)
                 except ChildProcessError:  # (not this process's child any more: how it ended is unknown)
-                    self.returncode = -signal.SIGKILL
+                    self._status = -signal.SIGKILL
                 else:
                     if pid:
-                        self.returncode = os.waitstatus_to_exitcode(status)
-            return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
+                        self._status = os.waitstatus_to_exitcode(status)
+            return self._status
 
     def kill(self) -> None:
         if self.poll() is None:
