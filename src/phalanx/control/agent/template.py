@@ -219,17 +219,11 @@ class WorkerTemplate:
 
     def close(self) -> None:
         """The agent is exiting: end the template (its stdin closes; SIGKILL after 2 s). One still importing torch
-        reads its stdin only once the import is done, and has forked nothing yet: it is killed at once."""
+        reads its stdin only once the import is done, and has forked nothing yet: it is killed at once, as is one
+        forked from this agent and never started (its node never became healthy)."""
         with self.lock:
-            proc, self.proc, self.closed = self.proc, None, True
-            adopted, self.adopted = self.adopted, None
-        if adopted is not None:  # forked, never started (its node never became healthy): it reads its stdin
-            adopted.stdin.close()
-            try:
-                adopted.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                adopted.kill()
-                adopted.wait()
+            proc, self.proc, self.closed = self.proc or self.adopted, None, True
+            self.adopted = None
         if proc is None:
             return
         proc.closing = True

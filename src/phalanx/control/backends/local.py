@@ -40,10 +40,10 @@ from pathlib import Path
 from phalanx.control.state.paths import PRIVATE_UMASK, ClusterPaths, open_private_log
 from phalanx.control.spec import ClusterSpec, agent_settings
 from phalanx.control.state.store import Node
-from phalanx.control.agent.template import TemplateUnavailable, WorkerTemplate
+from phalanx.control.agent.template import TEMPLATE_MODULE, TemplateUnavailable, WorkerTemplate
 from phalanx.control.agent.worker import describe_exit
+from phalanx.zygote import AGENT_MODULE  # (re-exported: the tests name agents by it)
 
-AGENT_MODULE = "phalanx.control.agent.node_agent"
 CONTROLLER_MODULE = "phalanx.control.server.daemon"  # what `cluster start` runs (`python -m`)
 log = logging.getLogger("phalanx.backend.local")
 HOST_TEMPLATE_WAIT_S = 60.0  # the first launch waits this long for the host template's imports, then execs
@@ -299,7 +299,7 @@ class LocalBackend:
             if n.handle and process_running(_pid(n), self._marker(n)):
                 victims.update(session_members(_pid(n)))
         victims.update(p for p in processes_mentioning(str(self.paths.root))
-                       if any(m in cmdline(p) for m in (CONTROLLER_MODULE, AGENT_MODULE, "phalanx.zygote --for-host")))
+                       if any(m in cmdline(p) for m in (CONTROLLER_MODULE, AGENT_MODULE, f"{TEMPLATE_MODULE} --for-host")))
         if self._host is not None and self._host.proc is not None:
             victims.discard(self._host.proc.pid)  # (this process's own, running: `close()` ends it)
         killed = []
