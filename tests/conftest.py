@@ -45,12 +45,42 @@ def tiny_config(run_dir: Path, data: Path, **sections):
     return config_from_dict(tree)
 
 
+_templates: dict[tuple[int, int], object] = {}  # the session's worker template, by the stdout its ranks write to
+
+
+def _shared_template():
+    """One worker template for the session's `run_training`s (`launch(..., template=)`): a launch then skips the
+    template's import of torch and the training code (~8 s of CPU here; the CLI tests still start their own). Its
+    ranks write to the stdout it was started with, the session's capture: a test capturing its own (`capfd`) gets
+    None, and `launch` a template of its own."""
+    from phalanx.train.forked import Template, TemplateError
+
+    out = os.fstat(1)
+    key = (out.st_dev, out.st_ino)
+    if key not in _templates:
+        if _templates:
+            return None
+        try:
+            _templates[key] = Template.start()
+        except TemplateError:
+            return None  # (the launch starts its own, or execs each rank, and says why)
+    template = _templates[key]
+    return None if template.broken or template.proc.poll() is not None else template
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_shared_template():
+    yield
+    for template in _templates.values():
+        template.close()
+
+
 def run_training(config, nproc: int) -> list[dict]:
     """Launch real worker processes; return the step records of metrics.jsonl."""
     from phalanx.train.launch import launch
     from phalanx.train.metrics import read_metrics
 
-    code = launch(config, nproc, threads_per_worker=1)
+    code = launch(config, nproc, threads_per_worker=1, template=_shared_template())
     assert code == 0, f"training exited with {code}"
     steps, _ = read_metrics(config.run_dir)
     return steps

@@ -1,7 +1,8 @@
 """`phalanx train --nproc N` forks its ranks from one worker template (`train/forked.py`): the ranks are the
 template's children and run `python -m phalanx.worker`, their output reaches the launcher's stdout and stderr,
 a rank that dies is reported with its code and the others are stopped, and `PHALANX_LAUNCH_FORK=0` (or a
-template that cannot start) execs each rank as before.
+template that cannot start) execs each rank as before. A template the caller keeps (`launch(..., template=)`)
+serves many launches and stays open.
 """
 
 from __future__ import annotations
@@ -85,6 +86,27 @@ def test_the_ranks_are_forked_from_one_template_and_speak_on_the_launchers_stdou
     assert "finished step=6" in out and "Traceback" not in err, out + err  # rank 0 prints on the launcher's stdout
     assert [s["step"] for s in read_metrics(config.run_dir)[0]] == [1, 2, 3, 4, 5, 6]
     assert not any(pid in _processes() for pid in (template, *forked)), "everything it started has ended"
+
+
+def test_a_template_the_caller_keeps_serves_many_launches_and_stays_open(tmp_path, demo_data):
+    template = Template.start()
+    census = Census(os.getpid())
+    census.start()
+    try:
+        for run in ("a", "b"):
+            code = launch(tiny_config(tmp_path / run, demo_data, training={"max_steps": 2}), 2, threads_per_worker=1,
+                          template=template)
+            assert code == 0 and template.proc.poll() is None, "the caller's template is the caller's to close"
+            assert [s["step"] for s in read_metrics(tmp_path / run)[0]] == [1, 2]
+        census.stop()
+        forked = [pid for pid, (ppid, _) in census.workers.items() if ppid == template.proc.pid]
+        assert len(forked) == 4 and len(census.workers) == 4, (census.workers, template.proc.pid)
+        assert census.templates == {template.proc.pid}, "no launch started a template of its own"
+        assert all(template.exit_code(pid) == 0 for pid in forked), template.exits
+    finally:
+        census.stop()
+        template.close()
+    assert template.proc.returncode is not None
 
 
 def test_without_the_template_every_rank_is_execd(tmp_path, demo_data, monkeypatch):

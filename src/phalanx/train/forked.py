@@ -99,6 +99,9 @@ class Template:
                             pass
                 elif "id" in msg:
                     self.replies[msg["id"]] = msg
+                    # a template kept for many launches may fork a pid again: an earlier worker's report (sent
+                    # when it was reaped, so before this reply) is not this one's
+                    self.exits.pop(msg.get("pid"), None)
                 self.cond.notify_all()
         with self.cond:
             self.drained = True

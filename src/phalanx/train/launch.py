@@ -83,20 +83,29 @@ def worker_env(rank: int, nproc: int, port: int, config_path: Path, threads: int
     return env
 
 
-def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = None) -> int:
-    """Run the job to completion on `nproc` local processes. Returns the job's exit code."""
-    template = _template()  # (its import of torch runs beside the checks below, which import torch here too)
+def launch(config: TrainConfig, nproc: int, *, threads_per_worker: int | None = None,
+           template: Template | None = None) -> int:
+    """Run the job to completion on `nproc` local processes. Returns the job's exit code.
+
+    `template`: a worker template the caller started (`Template.start()`) and keeps for many launches (a sweep, a
+    test suite): the ranks are forked from it without its import, and it stays open. By default each launch starts
+    its own and closes it."""
+    own = template is None
+    if own:
+        template = _template()  # (its import of torch runs beside the checks below, which import torch here too)
     try:
-        return _launch(config, nproc, threads_per_worker, template)
+        return _launch(config, nproc, threads_per_worker, template, own)
     finally:
-        if template is not None:
+        if own and template is not None:
             template.close()
 
 
-def _launch(config: TrainConfig, nproc: int, threads_per_worker: int | None, template: Template | None) -> int:
+def _launch(config: TrainConfig, nproc: int, threads_per_worker: int | None, template: Template | None,
+            own: bool) -> int:
     preflight(config, nproc)
     if check_local_gpus(nproc) and template is not None:  # (CUDA's fork safety after the imports is not tested)
-        template.close()
+        if own:
+            template.close()
         template = None
     run_dir = Path(config.run_dir)
     config_path = run_dir / "config.json"
