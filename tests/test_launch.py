@@ -43,11 +43,13 @@ def _processes() -> dict[int, tuple[int, str]]:
 
 
 class Census(threading.Thread):
-    """Watches, every 50 ms, the templates started under `root` (a pid) and the workers each forked."""
+    """Watches, every 50 ms, the templates started under `root` (a pid) from now on (not one already running: the
+    session's, `conftest.run_training`'s) and the workers each forked."""
 
     def __init__(self, root: int):
         super().__init__(daemon=True)
         self.root, self.done = root, threading.Event()
+        self.earlier = {pid for pid, (_, cmd) in _processes().items() if "phalanx.zygote --for-launcher" in cmd}
         self.templates: set[int] = set()
         self.workers: dict[int, tuple[int, str]] = {}  # pid → (its parent, its command line)
 
@@ -55,7 +57,7 @@ class Census(threading.Thread):
         while not self.done.wait(0.05):
             procs = _processes()
             for pid, (ppid, cmd) in procs.items():
-                if "phalanx.zygote --for-launcher" in cmd and ppid == self.root:
+                if "phalanx.zygote --for-launcher" in cmd and ppid == self.root and pid not in self.earlier:
                     self.templates.add(pid)
                 if "-m phalanx.worker" in cmd:
                     self.workers[pid] = (ppid, cmd)
@@ -100,8 +102,9 @@ def test_a_template_the_caller_keeps_serves_many_launches_and_stays_open(tmp_pat
             assert [s["step"] for s in read_metrics(tmp_path / run)[0]] == [1, 2]
         census.stop()
         forked = [pid for pid, (ppid, _) in census.workers.items() if ppid == template.proc.pid]
-        assert len(forked) == 4 and len(census.workers) == 4, (census.workers, template.proc.pid)
-        assert census.templates == {template.proc.pid}, "no launch started a template of its own"
+        execd = [pid for pid, (ppid, _) in census.workers.items() if ppid == os.getpid()]
+        assert len(forked) == 4 and not execd, (census.workers, template.proc.pid)
+        assert not census.templates, "no launch started a template of its own"
         assert all(template.exit_code(pid) == 0 for pid in forked), template.exits
     finally:
         census.stop()
@@ -128,17 +131,26 @@ def test_a_forked_rank_killed_stops_the_others_and_gives_its_code(tmp_path, demo
     result = {}
     launcher = threading.Thread(target=lambda: result.update(code=launch(config, 2, threads_per_worker=1)))
     launcher.start()
-    deadline = time.monotonic() + 120
-    while len(read_metrics(config.run_dir)[0]) < 2:  # both ranks are training
-        assert time.monotonic() < deadline and launcher.is_alive(), "training did not start"
-        time.sleep(0.1)
-    template = next(iter(census.templates))
-    ranks = {pid: cmd for pid, (ppid, cmd) in census.workers.items() if ppid == template}
-    assert len(ranks) == 2, census.workers
-    victim = max(ranks)  # (either: the other one is stopped)
-    os.kill(victim, signal.SIGKILL)
-    launcher.join(timeout=60)
-    census.stop()
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_metrics(config.run_dir)[0]) < 2:  # both ranks are training
+            assert time.monotonic() < deadline and launcher.is_alive(), "training did not start"
+            time.sleep(0.1)
+        assert len(census.templates) == 1, census.templates
+        template = next(iter(census.templates))
+        ranks = {pid: cmd for pid, (ppid, cmd) in census.workers.items() if ppid == template}
+        assert len(ranks) == 2, census.workers
+        victim = max(ranks)  # (either: the other one is stopped)
+        os.kill(victim, signal.SIGKILL)
+        launcher.join(timeout=60)
+    finally:  # (a run of 10,000 steps left behind would slow every test after this one)
+        census.stop()
+        for pid, (ppid, _) in census.workers.items():
+            if ppid in census.templates:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     assert not launcher.is_alive()
     assert result["code"] == 128 + signal.SIGKILL, result
     assert not any(pid in _processes() for pid in (template, *ranks)), "the other rank and the template ended"
