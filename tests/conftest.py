@@ -45,7 +45,7 @@ def tiny_config(run_dir: Path, data: Path, **sections):
     return config_from_dict(tree)
 
 
-_templates: dict[tuple[int, int], object] = {}  # the session's worker template, by the stdout its ranks write to
+_shared: dict = {}  # the session's worker template ("template") and the (device, inode) of its ranks' stdout
 
 
 def _shared_template():
@@ -56,23 +56,22 @@ def _shared_template():
     from phalanx.train.forked import Template, TemplateError
 
     out = os.fstat(1)
-    key = (out.st_dev, out.st_ino)
-    if key not in _templates:
-        if _templates:
-            return None
+    stdout = (out.st_dev, out.st_ino)
+    if not _shared:
         try:
-            _templates[key] = Template.start()
+            _shared.update(template=Template.start(), stdout=stdout)
         except TemplateError:
             return None  # (the launch starts its own, or execs each rank, and says why)
-    template = _templates[key]
-    return None if template.broken or template.proc.poll() is not None else template
+    template = _shared["template"]
+    usable = _shared["stdout"] == stdout and not template.broken and template.proc.poll() is None
+    return template if usable else None
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_shared_template():
     yield
-    for template in _templates.values():
-        template.close()
+    if _shared:
+        _shared["template"].close()
 
 
 def run_training(config, nproc: int) -> list[dict]:

@@ -298,8 +298,8 @@ class LocalBackend:
         for n in nodes:
             if n.handle and process_running(_pid(n), self._marker(n)):
                 victims.update(session_members(_pid(n)))
-        victims.update(p for p in processes_mentioning(str(self.paths.root))
-                       if any(m in cmdline(p) for m in (CONTROLLER_MODULE, AGENT_MODULE, f"{TEMPLATE_MODULE} --for-host")))
+        ours = (CONTROLLER_MODULE, AGENT_MODULE, f"{TEMPLATE_MODULE} --for-host")
+        victims.update(p for p in processes_mentioning(str(self.paths.root)) if any(m in cmdline(p) for m in ours))
         if self._host is not None and self._host.proc is not None:
             victims.discard(self._host.proc.pid)  # (this process's own, running: `close()` ends it)
         killed = []
