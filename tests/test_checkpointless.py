@@ -316,8 +316,10 @@ def test_a_second_node_lost_during_recovery_ends_in_a_recovered_job(tmp_path, ho
 def test_a_collective_broken_by_the_network_regroups_every_process_in_place(tmp_path, home, demo_data, reference):
     """Rank 1's collective fails inside step 17 as a dropped connection would make it, and every process lives
     on: no agent reports a fault, so the ranks that left the generation tell the controller (`protocol.left_key`),
-    which regroups them all in place once no real fault has shown up within a heartbeat timeout."""
-    create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True), timeout_s=90)
+    which regroups them all in place once no real fault has shown up within a heartbeat timeout. Meanwhile their
+    agents must not judge them stalled (no step for 2 × hang_timeout_s = 5 s, less than the 6 s grace): they left
+    their generation, so they tell their agents no step (`ProgressReporter.leave`)."""
+    create_cluster(write_spec(tmp_path, count=4, spares=1, warm_standby=True, hang_timeout_s=2.5), timeout_s=90)
     jobs = JobClient("c1")
     run_dir = tmp_path / "run"
     submit(jobs, tmp_path, config_for(run_dir, demo_data, HSDP, {"rank": 1, "step": 17, "at": "network"}), "net")

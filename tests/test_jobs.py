@@ -219,6 +219,51 @@ def test_hang_rule_kills_a_frozen_worker_first_and_a_stalled_one_only_later():
     waiting.proc.wait()
 
 
+def test_a_survivor_waiting_between_generations_tells_its_agent_no_step_and_is_never_called_stalled():
+    """A checkpointless survivor that left its generation waits for the next as long as the controller takes (a
+    controller restart, a stranded job's grace): its agent must not judge the last step it trained as a stalled
+    one — that killed every survivor of a chaos trial and sent the job back to step 0. From `leave()` (and from
+    `switch()` into the next generation) until it reports the step it restored, its file holds no step; the
+    store keeps the last step for the controller."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    from phalanx.control.agent.supervisor import Worker, WorkerSupervisor
+    from phalanx.control.backends.local import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    sup = WorkerSupervisor("n0", "t", hang_timeout_s=2.0, wake=lambda: None)
+    local = sup.progress_dir / "1.1.0"
+    reporter = protocol.ProgressReporter(f"127.0.0.1:{port}", "j", 1, 0, beat_s=0.05, local_path=str(local))
+    proc = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        reporter.report(7)
+        wait_for(lambda: (protocol.read_local(local) or (0, 0))[:2] == (1, 7), 5, "step 7 for the agent")
+        w = Worker("j", 1, 0, 0, pid=proc.pid, started_at=time.time(), proc=proc, state="running",
+                   progress_file=local)
+        sup.workers = {("j", 1, 0): w}
+        sup.poll()
+        assert w.last_step == 7
+        reporter.leave()  # its collective failed: it left generation 1 and waits for the next
+        wait_for(lambda: protocol.read_local(local)[:2] == (1, None), 5, "no step once it left")
+        assert reporter.flush(5) and protocol.read_progress(server, "j", 1, [0])[0]["step"] == 7  # the controller's
+        sup.poll()
+        assert w.last_step is None
+        w.last_change -= 30  # long past 2 × hang_timeout_s, its beat going on: regrouping, not stalled
+        sup.poll()
+        assert w.hang is None and proc.poll() is None
+        assert reporter.switch(2, 3, wait_s=10)  # it moved into generation 2 as rank 3: no step there yet
+        assert protocol.read_local(local)[:2] == (2, None)
+        reporter.report(7)  # restored step 7: from here on its steps are judged again
+        wait_for(lambda: protocol.read_local(local)[:2] == (2, 7), 5, "the restored step for the agent")
+    finally:
+        reporter.close()
+        proc.kill()
+        proc.wait()
+
+
 def test_a_survivor_that_dies_between_generations_is_the_new_generations_fault(tmp_path):
     """Checkpointless: a process the next generation counts on as a survivor (`carry`) but that died after its
     generation ended is reported as a fault of the new one (its peers are regrouping with it), not silently

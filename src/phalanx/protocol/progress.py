@@ -7,7 +7,10 @@ round trip it reads the controller's checkpoint request (`checkpoint_request_key
 For the worker's own agent, a second thread writes the same step and a beat of its own to a small file on the
 node (`PHALANX_PROGRESS_FILE`, a path its agent chose: `write_local`/`read_local`): the agent's hang rule reads
 it there, not through the controller, so it judges whatever the network and the controller do, and a heartbeat
-carries no progress.
+carries no progress. A checkpointless worker between generations — from leaving one (`leave`) or moving into
+the next (`switch`) until it reports the step it restored — writes no step there ("-"): it is regrouping, and
+its wait for the next generation (a controller restart, a stranded job's grace) is bounded by its own timeouts,
+not by the stall rule, which would kill every survivor and lose the state they carry.
 
 Must not know: how the agent judges hangs (`control/agent/hang.py` reads what this writes).
 """
@@ -76,6 +79,7 @@ class ProgressReporter:
         self.retry_s = retry_s
         self.timeout = timedelta(seconds=timeout_s)
         self._step: int | None = None
+        self._local_step: int | None = None  # the step its agent is told: None between generations
         self._seconds: float | None = None  # the compute seconds of `_step` (None: not reported)
         self._published: int | None = None  # the newest step the store has (for `flush`)
         self._published_version = 0  # the keys `_published` went to (for `switch`)
@@ -109,7 +113,7 @@ class ProgressReporter:
             self.beat_key = alive_key(self.job_id, generation, rank)
             self.time_key = step_time_key(self.job_id, generation, rank)
             self.request_key = checkpoint_request_key(self.job_id, generation)
-            self._generation = generation
+            self._generation, self._local_step = generation, None  # regrouping: no step in it yet, for the agent
             self._seconds = None  # a time measured in the old generation is not one of the new
             self._keys_version += 1
             version = self._keys_version
@@ -120,9 +124,16 @@ class ProgressReporter:
         """`step` finished; `seconds`: the compute seconds it took on this rank (None: not measured, as for the
         step a run starts from)."""
         with self._cond:
-            if step != self._step:
-                self._step, self._seconds = step, seconds
+            if step != self._step or step != self._local_step:
+                self._step, self._local_step, self._seconds = step, step, seconds
                 self._cond.notify_all()
+
+    def leave(self) -> None:
+        """A checkpointless worker left its generation and waits for the next: its agent sees no step until it
+        reports one again (the store keeps the last step: the controller's record of how far it got)."""
+        with self._cond:
+            self._local_step = None
+            self._cond.notify_all()
 
     def pending_checkpoint(self) -> int:
         """The newest checkpoint request the controller made and no checkpoint was taken for yet (0: none)."""
@@ -141,7 +152,7 @@ class ProgressReporter:
             with self._cond:
                 if self._closed:
                     return
-                step, generation = self._step, self._generation
+                step, generation = self._local_step, self._generation
             beat += 1
             try:
                 write_local(path, generation, step, beat)
@@ -151,8 +162,8 @@ class ProgressReporter:
                     log.warning("cannot write progress for this worker's agent to %s: %s", path, err)
                 failing = True
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._step != step or self._generation != generation,
-                                    timeout=self.beat_s)
+                self._cond.wait_for(lambda: (self._closed or self._local_step != step
+                                             or self._generation != generation), timeout=self.beat_s)
 
     def _connect(self):
         return connect_store(self.store_addr, self.token, self.timeout)

@@ -166,6 +166,8 @@ class CheckpointlessRun:
         log.warning("generation %d ended at step %s (%s); next: keep this process and its state in memory, "
                     "wait for the next generation", self.generation, step, what)
         self.membership.unwatch()
+        if self.reporter is not None:  # its agent: regrouping from here on, not a stalled step
+            self.reporter.leave()
         try:
             self.membership.report_left(self.generation)
         except (RuntimeError, OSError) as err:  # the controller restarts: told once its store is back

@@ -12,9 +12,9 @@ thread waits in a collective) can:
 The input never leaves the node (before protocol 6 the controller relayed it from its store in every heartbeat
 reply), so the rule judges the same through a controller outage or a cut network, and an agent needs no reply to
 keep judging. Workers that write no progress (plain torch.distributed programs) are not judged.
-A worker between generations of a checkpointless job (regrouping: no step yet in the new generation, its
-beat going on) is judged frozen by the same rule, never stalled: its wait is bounded by the regroup's
-own timeout.
+A worker between generations of a checkpointless job (regrouping: from leaving one until it reports the step
+it restored in the next it writes no step, its beat going on) is judged frozen by the same rule, never stalled:
+its wait is bounded by the regroup's and the recovery's own timeouts.
 
 Pure: decides from numbers, kills nothing (the supervisor does). Must not know: processes, the controller.
 """

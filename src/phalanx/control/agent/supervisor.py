@@ -259,7 +259,8 @@ class WorkerSupervisor(StandbyPool):
         """The worker's progress as it wrote it (`protocol.read_local`): a new step or beat is noted when seen, then
         the hang rule judges. A worker that wrote none (a program that reports no progress) is not judged; one
         whose job holds this node between generations waits on purpose (not a hang); a survivor that has not
-        moved to the new generation yet has no step in it (regrouping)."""
+        moved to the new generation yet, or that left its generation and waits for the next, has no step in it
+        (regrouping)."""
         if w.job in self.held:
             w.last_change = w.last_beat_change = now
             return
@@ -267,7 +268,7 @@ class WorkerSupervisor(StandbyPool):
         if seen is None:
             return
         generation, step, beat = seen
-        if generation == w.generation and step is not None and step != w.last_step:
+        if generation == w.generation and step != w.last_step:  # (no step: it left its generation, regrouping)
             w.last_step, w.last_change = step, now
         if beat != w.last_beat:
             w.last_beat, w.last_beat_change = beat, now
