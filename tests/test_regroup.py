@@ -378,6 +378,8 @@ def _run_at(generation: int, trainer=None, carried=None):
     run.last_record, run.world_size = None, 4
     run.membership = SimpleNamespace(unwatch=lambda: None, report_left=left.append)
     run.shelf = SimpleNamespace(freeze=lambda: None)
+    told = []  # what its agent's hang rule is told: no step from each leave on (regrouping, not stalled)
+    run.reporter = SimpleNamespace(told=told, leave=lambda: told.append("no step"))
     return run, left
 
 
@@ -399,6 +401,7 @@ def test_a_fault_during_recovery_keeps_the_step_of_the_first(monkeypatch):
     run.leave_generation("second peer died")
     assert (run.fault.generation, run.fault.step, run.fault.again) == (1, 20, 1), run.fault
     assert left == [1, 2] and run.last_record["step"] == 20, "the newest completed step's record is kept"
+    assert run.reporter.told == ["no step"] * 2, "each leave tells the agent it is regrouping, not stalled"
 
     # generation 3 restored and trained to step 25, then failed: a new fault, from step 25
     run.generation, run.trainer = 3, SimpleNamespace(ready=True, progress=SimpleNamespace(step=25),
