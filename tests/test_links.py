@@ -295,6 +295,50 @@ def test_a_heartbeat_answered_late_is_dated_from_its_arrival(monkeypatch):
     assert all(dated - arrived < 0.1 for dated, _ in answered), f"dated after their arrival: {answered}, {arrived}"
 
 
+def test_the_flush_lets_the_heartbeats_queued_for_the_stores_lock_in_between_its_transactions(tmp_path, monkeypatch):
+    """A flush writes FLUSH_ROWS nodes per transaction under the store's lock; heartbeats that found it taken wait on
+    the route's one thread (`heartbeat_route.LockQueue`). A lock is not fair: taken back 1 ms after it was let go, it
+    let in a few of them each time and the rest waited out the whole flush (4,096 nodes: 140-300 ms every 4 s). Now
+    every heartbeat queued during a transaction is answered before the next one begins."""
+    from types import SimpleNamespace
+
+    from phalanx.control.server import heartbeat_route
+    from phalanx.control.spec import load_spec
+    from phalanx.control.state import store as store_module
+
+    monkeypatch.setattr(store_module, "FLUSH_ROWS", 2)
+    monkeypatch.setattr(heartbeat_route, "MAKE_WAY_S", 60.0)  # (bounded in the controller; here: the order alone)
+    store = store_module.Store(tmp_path / "state.db", owner=True)
+    store.initialize(load_spec(write_spec(tmp_path, count=5, spares=1)))
+    names = [store.add_node("workers", is_spare=False, work_root=tmp_path, reason="test").name for _ in range(6)]
+    store.observe_beats({name: 10.0 + i for i, name in enumerate(names)})  # three transactions' worth
+    route = heartbeat_route.HeartbeatRoute(None, SimpleNamespace(jobs=SimpleNamespace(), store=store, links=None))
+    assert store.make_way == route.queue.make_way
+    order, write = [], store._write_observed
+
+    def heartbeat(i: int) -> None:  # as answered on the route's thread: under the store's lock, a little work each
+        with store.lock:
+            time.sleep(0.005)
+            order.append(f"heartbeat {i}")
+
+    def transaction(pending: dict) -> None:  # each transaction of the flush (under the store's lock)
+        write(pending)
+        order.append("transaction")
+        if len(order) == 1:  # heartbeats arrive while the first one holds the lock: queued, as the route does
+            for i in range(8):
+                route.queue.handed += 1
+                route.queue.pool.submit(route.queue._answer, lambda i=i: heartbeat(i))
+
+    monkeypatch.setattr(store, "_write_observed", transaction)
+    assert store.flush_observed() == 6
+    assert order == ["transaction", *(f"heartbeat {i}" for i in range(8)), "transaction", "transaction"], order
+    reader = store_module.Store(tmp_path / "state.db")  # in SQLite, every one
+    assert [reader.node(name).last_heartbeat for name in names] == [10.0 + i for i in range(6)]
+    reader.close()
+    route.queue.pool.shutdown()
+    store.close()
+
+
 def test_agents_answered_together_after_a_stall_do_not_stay_in_step():
     """An agent keeps its phase (the rest of its period after each heartbeat); answered a whole period late, as
     every agent waiting on a stalled controller is, it picks a random one: agents answered in the same instant

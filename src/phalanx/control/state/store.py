@@ -65,6 +65,7 @@ class Store(EventRecords):
         self.clock = clock  # the time it stamps rows and events with (tests drive a fake one)
         # told of a write an agent's heartbeat reply depends on (`changed`): the controller pokes the agents' links
         self.on_change: Callable[[tuple[str, ...] | None], None] | None = None
+        self.make_way: Callable[[], None] | None = None  # lets heartbeats queued for the lock in (`flush_observed`)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
         self._db.row_factory = sqlite3.Row
@@ -90,6 +91,7 @@ class Store(EventRecords):
     def close(self) -> None:
         with self._lock:
             try:
+                self.make_way = None  # (the lock is held here: nothing queued for it could go in)
                 self.flush_observed()  # the heartbeats' last observations
             finally:
                 self._db.close()
@@ -99,9 +101,7 @@ class Store(EventRecords):
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    def execute(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        """One statement under the store's lock (for the record modules built on this connection)."""
-        return self._exec(sql, args)
+    execute = _exec  # one statement under the store's lock (for the record modules built on this connection)
 
     @contextmanager
     def transaction(self):
@@ -217,8 +217,7 @@ class Store(EventRecords):
     def node(self, name: str) -> Node | None:
         if self._owner:
             return self._cached().get(name)
-        rows = self._exec("SELECT * FROM nodes WHERE name=?", (name,))
-        return _node(rows[0]) if rows else None
+        return next(map(_node, self._exec("SELECT * FROM nodes WHERE name=?", (name,))), None)
 
     def nodes(self, *, include_terminated: bool = True) -> list[Node]:
         if self._owner:
@@ -299,8 +298,9 @@ class Store(EventRecords):
                     self._observed.setdefault(name, {})["last_heartbeat"] = at
 
     def flush_observed(self, *, every_s: float = 0.0) -> int:
-        """Write the observations `observe_node` kept, FLUSH_ROWS nodes per transaction; not when the last flush
-        that wrote was less than `every_s` ago, nor one second per FLUSH_RATE nodes waiting. Returns the nodes
+        """Write the observations `observe_node` kept, FLUSH_ROWS nodes per transaction, `make_way` between them
+        (heartbeats queued for the lock meanwhile: `server/heartbeat_route.LockQueue`; else 1 ms); not when the last
+        flush that wrote was less than `every_s` ago, nor one second per FLUSH_RATE nodes waiting. Returns the nodes
         written. (One transaction of 4,096 rows took 32 ms here, under the lock every heartbeat's answer takes.)"""
         with self._lock:
             every_s = max(every_s, len(self._observed) / FLUSH_RATE) if every_s else 0.0
@@ -309,8 +309,8 @@ class Store(EventRecords):
             names = list(self._observed)
         written = 0
         for start in range(0, len(names), FLUSH_ROWS):
-            if start:
-                time.sleep(0.001)  # (a heartbeat waiting for the lock takes it now: a lock is not fair)
+            if start:  # (a lock is not fair: taken back at once, it lets in almost none of those waiting for it)
+                self.make_way() if self.make_way else time.sleep(0.001)
             with self._lock:  # popped and written under one hold: `_written` never misses one in flight
                 pending = {n: self._observed.pop(n) for n in names[start:start + FLUSH_ROWS] if n in self._observed}
                 self._write_observed(pending)
