@@ -83,6 +83,42 @@ def fake_api(tmp_path):
     c.close()
 
 
+def test_an_injected_faults_event_is_dated_from_before_its_signal_not_after_the_fault_it_caused(tmp_path):
+    """`POST /v1/nodes/{name}/faults` signals first and records its event after: on a busy host the reconciler had
+    already recorded the killed node faulty, and `make demo` printed "fault detected -0.01 s after the kill" (CI-like
+    run, 2026-11-30). The event is dated from the moment before the signal."""
+    import logging
+
+    from phalanx.control.server.api import build_app
+    from phalanx.control.state.store import NodeState
+
+    c = FakeCluster(tmp_path / "fake").create()
+    kill = c.backend.kill
+
+    def kill_found_at_once(node):  # the death is recorded (0.5 s later) before the API writes its own event
+        pids = kill(node)
+        c.clock.advance(0.5)
+        c.store.transition(node.name, NodeState.FAULTY, "agent process killed by SIGKILL")
+        return pids
+
+    c.backend.kill = kill_found_at_once
+    token = c.paths.read_token()
+    ctl = SimpleNamespace(store=c.store, token=token, jobs=c.jobs, backend=c.backend, deep_checks=c.deep,
+                          started_at=c.started_at, spec=c.spec, log=logging.getLogger("test"),
+                          request_exit=c.exit_requests.append)
+    url, stop = serve(build_app(ctl))
+    try:
+        before = c.clock()
+        request_json("POST", f"{url}/v1/nodes/workers-0/faults", token, {"kind": "kill-node"})
+    finally:
+        stop()
+    events = c.store.events(node="workers-0")
+    injected = next(e for e in events if e["kind"] == "fault-injected")
+    faulty = next(e for e in events if e["to_state"] == "faulty")
+    assert injected["time"] == before < faulty["time"] == before + 0.5, (injected, faulty)
+    c.close()
+
+
 def test_the_page_needs_no_token_and_the_data_needs_the_cluster_token(fake_api):
     url, token = fake_api.url, fake_api.token
     status, kind, page = get_raw(f"{url}/dashboard")

@@ -116,15 +116,16 @@ class EventLog:
         self.clock = clock
 
     def emit(self, kind: EventKind | str, message: str | None = None, *, job: str | None = None,
-             node: str | None = None, **fields) -> Event:
-        return self.emit_fields(kind, fields, message=message, job=job, node=node)
+             node: str | None = None, at: float | None = None, **fields) -> Event:
+        return self.emit_fields(kind, fields, message=message, job=job, node=node, at=at)
 
     def emit_fields(self, kind: EventKind | str, fields: dict[str, Any], *, message: str | None = None,
-                    job: str | None = None, node: str | None = None) -> Event:
+                    job: str | None = None, node: str | None = None, at: float | None = None) -> Event:
         """`emit` with the free fields as one dict: for a writer whose field names are data (a recovery
-        record may hold a `node` or a `message` of its own)."""
-        event = Event(time=self.clock(), kind=event_kind(kind), source=self.source, job=job, node=node,
-                      message=message, fields=dict(fields))
+        record may hold a `node` or a `message` of its own). `at`: when it happened, if before now (an injected
+        fault: the moment before its signal, not after the fault it caused was recorded)."""
+        event = Event(time=self.clock() if at is None else at, kind=event_kind(kind), source=self.source, job=job,
+                      node=node, message=message, fields=dict(fields))
         for sink in self.sinks:
             sink(event)
         return event

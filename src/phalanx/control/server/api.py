@@ -195,6 +195,7 @@ def build_app(ctl):
         node = node_or_404(name)
         if not node.live:
             raise HTTPException(409, f"node {name} is {node.state.value}; faults go to live nodes only")
+        at = store.clock()  # its event's time: before the signal (the fault it causes may be recorded first)
         if getattr(ctl.backend, "faults_through_agent", False) and req.kind in (
                 "kill-node", "freeze-node", "kill-worker", "hang-worker"):
             what = _fault_through_agent(node, req)
@@ -213,7 +214,7 @@ def build_app(ctl):
             ctl.backend.freeze(node)
             what = f"SIGSTOP sent to the agent ({node.handle}): it stays alive but stops heartbeating"
         reason = f"fault injected by operator: {req.kind}; {what}"
-        store.record_event(E.FAULT_INJECTED, reason, node=name)
+        store.record_event(E.FAULT_INJECTED, reason, node=name, at=at)
         ctl.log.warning("node %s: %s", name, reason)
         return {"node": name, "kind": req.kind, "detail": what}
 
