@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Callable, TypeVar
 
@@ -52,9 +52,12 @@ class LockQueue:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeats")
         self.handed = self.answered = 0
 
-    async def run(self, fn: Callable[[], T]) -> T:
+    def submit(self, fn: Callable[[], T]) -> Future:
         self.handed += 1
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._answer, fn)
+        return self.pool.submit(self._answer, fn)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.submit(fn))
 
     def _answer(self, fn: Callable[[], T]) -> T:
         try:
