@@ -27,11 +27,11 @@ demo: $(STAMP) data/demo/train.bin
 
 # System packages the tests drive for real: Prometheus scrapes a cluster, headless Chromium opens the dashboard,
 # iproute2 makes the network namespaces the multi-host tests use as hosts, slurm-wlm + munge a real Slurm
-# (slurmctld and four slurmd on this machine) for the Slurm tests.
+# (slurmctld and four slurmd on this machine) for the Slurm tests, slurmdbd + mariadb-server its accounting.
 # Installed from Debian when running as root (CI is); otherwise they must already be on PATH.
-SYSTEM_PACKAGES := prometheus chromium chromium-driver fonts-liberation iproute2 slurm-wlm munge
+SYSTEM_PACKAGES := prometheus chromium chromium-driver fonts-liberation iproute2 slurm-wlm munge slurmdbd mariadb-server
 system-deps:
-	@missing=""; for b in prometheus chromium chromedriver ip sbatch slurmctld slurmd munged; do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	@missing=""; for b in prometheus chromium chromedriver ip sbatch slurmctld slurmd munged slurmdbd mariadbd; do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing$$missing (Debian: $(SYSTEM_PACKAGES))"; \

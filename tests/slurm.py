@@ -15,6 +15,9 @@ Two ways to lay the nodes out:
     slurm.kill_slurmd("n2")   # a node's slurmd dies (its steps' processes live on: kill those separately)
     LocalSlurm(root, gpus=2)  # every node has 2 GPUs for Slurm (Gres=gpu:2): two character devices standing in
                               # for /dev/nvidia0-1, so Slurm allocates them and sets a step's CUDA_VISIBLE_DEVICES
+    LocalSlurm(root, accounts=("ml", "vision"))  # accounting enforced, as on most real clusters: slurmdbd on a
+                              # MariaDB of its own (Debian's slurmdbd and mariadb-server), root may use these
+                              # accounts (the first its default), and Slurm refuses a job under any other
     slurm.stop()              # every daemon this harness started (munged only if it started it)
 
 `LocalSlurm.available()` says why Slurm cannot be run here (not root, packages missing); the tests fail on
@@ -33,13 +36,15 @@ import time
 from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "munged")
+ACCOUNTING = ("slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb")  # (only with `accounts`)
 
 
 class LocalSlurm:
     def __init__(self, root: Path, nodes: int = 4, cpus: int = 2, port_base: int | None = None, hosts=None,
-                 gpus: int = 0):
+                 gpus: int = 0, accounts: tuple[str, ...] = ()):
         self.root = Path(root).resolve()  # daemons chdir to /: every path they get is absolute
         self.gpus = gpus
+        self.accounts = tuple(accounts)
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.hosts = hosts  # netns.Hosts (node nI on host hI), or None: every node on 127.0.0.1
         if hosts is not None and hosts.count < nodes:
@@ -49,17 +54,19 @@ class LocalSlurm:
         self.cpus = cpus
         base = port_base or 6900 + (os.getpid() % 500) * 10
         self.ctld_port, self.node_port = base, base + 1
+        self.dbd_port, self.db_port = base + 7, base + 8  # slurmdbd and its MariaDB, on 127.0.0.1 (with `accounts`)
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.started_munge = False
 
     @staticmethod
-    def available() -> str | None:
+    def available(accounting: bool = False) -> str | None:
         if os.geteuid() != 0:
             return "the Slurm daemons of the test need root"
-        missing = [d for d in DAEMONS if shutil.which(d) is None]
+        missing = [d for d in DAEMONS + (ACCOUNTING if accounting else ()) if shutil.which(d) is None]
         if missing:
-            return f"{', '.join(missing)} not installed: install the Debian packages slurm-wlm and munge"
+            return (f"{', '.join(missing)} not installed: install the Debian packages slurm-wlm and munge"
+                    f"{', slurmdbd and mariadb-server' if accounting else ''}")
         return None
 
     def _write_configs(self) -> None:
@@ -111,11 +118,17 @@ JobRequeue=1
 SlurmdTimeout=30
 KillWait=5
 MinJobAge=30
-AccountingStorageType=accounting_storage/none
+{self._accounting_conf()}
 JobAcctGatherType=jobacct_gather/none
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
+
+    def _accounting_conf(self) -> str:
+        if not self.accounts:
+            return "AccountingStorageType=accounting_storage/none"
+        return (f"AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=127.0.0.1\n"
+                f"AccountingStoragePort={self.dbd_port}\nAccountingStorageEnforce=associations")
 
     def run(self, *argv: str, check: bool = True, timeout: float = 30, env: dict | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -126,7 +139,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return done
 
     def start(self, timeout: float = 60) -> None:
-        why = self.available()
+        why = self.available(accounting=bool(self.accounts))
         if why:
             raise RuntimeError(f"cannot run Slurm here: {why}")
         self._write_configs()
@@ -137,6 +150,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 shutil.chown(key, "munge", "munge")
             subprocess.run(["/etc/init.d/munge", "start"], check=True, capture_output=True, timeout=30)
             self.started_munge = True
+        if self.accounts:
+            self._start_accounting(timeout)
         self.run("slurmctld", "-f", str(self.conf))
         for n in self.nodes:
             self._start_slurmd(n)
@@ -148,6 +163,52 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             time.sleep(0.3)
         raise RuntimeError(f"Slurm did not come up within {timeout:.0f} s: node states {self.node_states()}; "
                            f"slurmctld log tail:\n{self.log_tail('slurmctld')}")
+
+    def _start_accounting(self, timeout: float) -> None:
+        """MariaDB (its own data directory, socket and port), slurmdbd on it (its config beside slurm.conf, where it
+        looks), then Slurm's cluster, the accounts, and root as a user of each (the first its default)."""
+        r, db = self.root, self.root / "db"
+        if not (db / "mysql").exists():
+            self.run("mariadb-install-db", f"--datadir={db}", "--user=root", "--auth-root-authentication-method="
+                     "normal", "--skip-test-db", timeout=60)
+        subprocess.Popen(["mariadbd", "--no-defaults", f"--datadir={db}", f"--socket={r}/mysql.sock",
+                          f"--port={self.db_port}", "--bind-address=127.0.0.1", "--user=root",
+                          f"--pid-file={r}/mariadbd.pid", f"--log-error={r}/log/mariadbd.log",
+                          "--innodb-buffer-pool-size=32M", "--skip-name-resolve"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+        sql = ["mariadb", "--no-defaults", f"--socket={r}/mysql.sock", "-uroot", "-e",
+               "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; "
+               "GRANT ALL ON *.* TO 'slurm'@'127.0.0.1'"]
+        self._retry(lambda: self.run(*sql), timeout, "MariaDB", "mariadbd")
+        dbd = r / "slurmdbd.conf"
+        dbd.write_text(f"AuthType=auth/munge\nDbdHost=localhost\nDbdAddr=127.0.0.1\nDbdPort={self.dbd_port}\n"
+                       f"SlurmUser=root\nPidFile={r}/slurmdbd.pid\nLogFile={r}/log/slurmdbd.log\n"
+                       f"StorageType=accounting_storage/mysql\nStorageHost=127.0.0.1\nStoragePort={self.db_port}\n"
+                       f"StorageUser=slurm\nStoragePass=slurm\nStorageLoc=phalanx_test_acct\n")
+        dbd.chmod(0o600)  # (slurmdbd refuses a config others can read)
+        self.run("slurmdbd")
+        self._retry(lambda: self.run("sacctmgr", "-i", "add", "cluster", "phxtest"), timeout, "slurmdbd", "slurmdbd")
+        self.run("sacctmgr", "-i", "add", "account", *self.accounts, "Description=test", "Organization=test")
+        self.run("sacctmgr", "-i", "add", "user", "root", f"Account={','.join(self.accounts)}",
+                 f"DefaultAccount={self.accounts[0]}")
+
+    def _retry(self, call, timeout: float, what: str, log: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                call()
+                return
+            except RuntimeError as err:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} did not come up within {timeout:.0f} s ({err}); log tail:\n"
+                                       f"{self.log_tail(log)}") from None
+                time.sleep(0.2)
+
+    def user_accounts(self) -> list[str]:
+        """The accounts root may submit under (its associations in this Slurm's accounting)."""
+        done = self.run("sacctmgr", "-n", "-P", "show", "assoc", "user=root", "format=account")
+        return sorted({line.strip() for line in done.stdout.splitlines() if line.strip()})
 
     def _host(self, node: str) -> str:
         return f"h{node[1:]}"
@@ -164,8 +225,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return self.run("sinfo", "-h", "-n", node, "-o", "%E").stdout.strip()
 
     def jobs(self) -> list[dict]:
-        done = self.run("squeue", "-h", "-o", "%i|%j|%T|%N|%r|%k", check=False)
-        keys = ("id", "name", "state", "nodes", "reason", "comment")
+        done = self.run("squeue", "-h", "-o", "%i|%j|%T|%N|%r|%a|%k", check=False)
+        keys = ("id", "name", "state", "nodes", "reason", "account", "comment")
         return [dict(zip(keys, line.split("|"))) for line in done.stdout.splitlines() if line.strip()]
 
     def log_tail(self, name: str, lines: int = 30) -> str:
@@ -258,6 +319,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         while time.monotonic() < deadline and self.jobs():
             time.sleep(0.2)
         pids = [p for p in (self._pid("slurmctld"), *(self._pid(f"slurmd-{n}") for n in self.nodes)) if p]
+        pids += [p for p in (self._pid("slurmdbd"), self._pid("mariadbd")) if p]  # (with `accounts`)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)

@@ -388,6 +388,17 @@ def test_cluster_up_slurm_needs_an_allocation_big_enough():
     assert inside.backend == "slurm" and inside.slurm.allocation == "42" and inside.api.host == "10.0.0.5"
     assert agent_settings(inside, "workers")["slurm_requeue"] == {"job": "42", "after_s": 60.0}
     assert agent_settings(spec, "workers")["slurm_requeue"] is None
+    assert inside.slurm.account is None and inside.slurm.partition is None  # (Slurm's defaults: none was named)
+    # the refills are one-node jobs of their own: charged to the allocation's account and partition...
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_ACCOUNT": "vision",
+           "SLURM_JOB_PARTITION": "gpu"}
+    inside = allocation_spec(spec, env)
+    assert (inside.slurm.account, inside.slurm.partition) == ("vision", "gpu")
+    assert {"--account=vision", "--partition=gpu"} <= set(allocation_options(inside, "workers", 1))
+    # ...unless the spec names its own
+    own = allocation_spec(spec_from_dict({"name": "c1", "backend": "slurm", "api": {"host": "10.0.0.5"},
+                                          "instance_groups": [group], "slurm": {"account": "ml"}}), env)
+    assert (own.slurm.account, own.slurm.partition) == ("ml", "gpu")
 
 
 def fake_job_client(calls: list, described: dict, checkpoint=None):

@@ -22,10 +22,15 @@ Drills, end to end with real processes:
 - a GPU instance type's allocation holds the nodes' GPUs (`--gres=gpu:N`; the test Slurm's GPUs are device files
   standing in), its agents' step and workers see them (CUDA_VISIBLE_DEVICES); more GPUs than a node has are refused.
 - bad input and bad weather get one clear error and leave nothing behind: no Slurm commands on PATH,
-  slurmctld unreachable, an unknown partition, an allocation pending past its timeout (squeue's reason).
+  slurmctld unreachable, an unknown partition, an account Slurm refuses (unknown, or not this user's), an
+  allocation pending past its timeout (squeue's reason).
 
-Needs root for the daemons (CI runs as root; `make test` installs slurm-wlm and munge): fails, never skips,
-when Slurm cannot be brought up.
+The test Slurm enforces accounting, as most real clusters do (slurmdbd on a MariaDB of its own,
+`AccountingStorageEnforce=associations`): root may submit under the accounts ml (its default) and vision (and root, which Slurm makes with the cluster).
+The first drill's cluster asks for vision: its allocation and the refill after the fault run under it.
+
+Needs root for the daemons (CI runs as root; `make test` installs slurm-wlm, munge, slurmdbd and mariadb-server):
+fails, never skips, when Slurm cannot be brought up.
 """
 
 from __future__ import annotations
@@ -52,16 +57,17 @@ from test_jobs import step_at_least, write_config
 
 pytestmark = pytest.mark.slow
 GPUS_PER_NODE = 2  # what slurm.conf gives every node (Gres=gpu:2, device files standing in for the GPUs)
+ACCOUNTS = ("ml", "vision")  # the accounts root may use in the test Slurm's accounting (ml its default)
 
 
 @pytest.fixture(scope="module")
 def slurm_daemons(tmp_path_factory):
-    why = LocalSlurm.available() or Hosts.available()
+    why = LocalSlurm.available(accounting=True) or Hosts.available()
     if why:
         pytest.fail(f"the Slurm tests need a real Slurm on network namespaces: {why} (`make test` installs it "
                     "when run as root)")
     hosts = Hosts(4, tag=f"s{os.getpid() % 10000}").up()
-    s = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=4, hosts=hosts, gpus=GPUS_PER_NODE)
+    s = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=4, hosts=hosts, gpus=GPUS_PER_NODE, accounts=ACCOUNTS)
     try:
         s.start()
         yield s
@@ -115,10 +121,10 @@ def place(node: dict) -> tuple[str, str, int]:
 
 
 def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(tmp_path, slurm, demo_data, reference):
-    client = create(tmp_path)
+    client = create(tmp_path, account="vision")  # (not root's default account: Slurm is told which)
     (alloc,) = slurm.jobs()  # one allocation: members + spares
     assert alloc["name"] == "phalanx-c1" and alloc["state"] == "RUNNING", alloc
-    assert alloc["comment"] == "phalanx cluster c1 group workers", alloc
+    assert alloc["comment"] == "phalanx cluster c1 group workers" and alloc["account"] == "vision", alloc
     places = {n["name"]: place(n) for n in client.nodes()}
     assert {p[0] for p in places.values()} == {alloc["id"]} and len({p[1] for p in places.values()}) == 3, places
 
@@ -156,6 +162,7 @@ def test_a_checkpointless_job_survives_a_slurm_node_whose_slurmd_and_agent_die(t
     job_id, spare_host, _ = place(spare)
     assert job_id != alloc["id"] and spare_host == free, (spare, slurm.jobs())
     assert {j["id"] for j in slurm.jobs()} >= {alloc["id"], job_id}
+    assert next(j for j in slurm.jobs() if j["id"] == job_id)["account"] == "vision"  # the refill's account too
 
 
 def test_a_restart_job_moves_off_a_node_an_operator_drains(tmp_path, slurm, demo_data):
@@ -236,6 +243,11 @@ def test_bad_slurm_input_and_weather_get_one_clear_error_and_leave_nothing(tmp_p
 
     refused(r"instance group workers \(3 nodes: count 2 \+ spares 1, partition nope\): sbatch: error: invalid "
             r"partition specified: nope.*Fix slurm\.partition", partition="nope")
+    # (root may use its own account too: Slurm's accounting makes it with the cluster)
+    assert slurm.user_accounts() == ["ml", "root", "vision"]
+    refused(r"account nosuch\): .*Invalid account or account/partition combination specified\. Fix slurm\.account "
+            r"\('nosuch': user root has no association with it; user root may submit under: ml, root, vision ",
+            account="nosuch")
     refused(r"Requested node configuration is not available", sbatch_options=["--mincpus=64"])
     conf = tmp_path / "unreachable.conf"  # a slurm.conf whose controller port nothing listens on
     conf.write_text(slurm.conf.read_text().replace(f"SlurmctldPort={slurm.ctld_port}", "SlurmctldPort=9"))

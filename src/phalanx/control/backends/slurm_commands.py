@@ -7,6 +7,7 @@ Standard library only; knows the spec's slurm section, nothing of nodes, the rec
 
 from __future__ import annotations
 
+import getpass
 import logging
 import shutil
 import subprocess
@@ -94,10 +95,42 @@ def preflight(spec: ClusterSpec) -> None:
             gpus = (f", or an instance_type whose GPU count ({g.profile.gpus} for {g.instance_type}) the "
                     f"partition's nodes have (their Gres=gpu:N in slurm.conf)") if gres else ""
             nodes = f"{n} node{'s' if n != 1 else ''}"
+            fix = what_to_fix(spec, str(err)) or (f"slurm.partition, slurm.account, slurm.sbatch_options or the "
+                                                  f"group's count/spares{gpus}")
             raise SlurmError(f"backend slurm: Slurm refuses the allocation for instance group {g.name} ({nodes}: "
                              f"count {g.count} + spares {g.spares}{', ' + where if where else ''}): {err}. Fix "
-                             f"slurm.partition, slurm.account, slurm.sbatch_options or the group's count/spares"
-                             f"{gpus}") from None
+                             f"{fix}") from None
+
+
+def what_to_fix(spec: ClusterSpec, refusal: str) -> str | None:
+    """The spec field Slurm's refusal names, with what Slurm would take instead: its partitions for an unknown
+    partition; for an account it refuses (accounting enforced: this user has no association with it, or not in
+    that partition) the accounts this user has. None: the refusal names no one field."""
+    s, said = spec.slurm_settings, refusal.lower()
+    if "invalid partition" in said:
+        partitions = _listed("sinfo", "-h", "-o", "%R")
+        known = f"; its partitions: {partitions}" if partitions else ""
+        return f"slurm.partition ({s.partition!r}: no such partition{known})"
+    if "invalid account" in said:
+        user = getpass.getuser()
+        mine = _listed("sacctmgr", "-n", "-P", "show", "associations", f"user={user}", "format=account")
+        which = (f"{s.account!r}: user {user} has no association with it"
+                 f"{f' in partition {s.partition}' if s.partition else ''}" if s.account else
+                 f"unset: user {user} has no default account Slurm accepts")
+        may = (f"; user {user} may submit under: {mine} (`sacctmgr show associations user={user}`)" if mine else
+               f"; user {user} has no account in Slurm's accounting: ask its administrator for one (`sacctmgr add "
+               f"user {user} account=...`)")
+        return f"slurm.account ({which}{may})"
+    return None
+
+
+def _listed(*argv: str) -> str:
+    """A Slurm listing's distinct lines, comma-separated; "" when it cannot be had (a hint, never the error)."""
+    try:
+        lines = slurm(*argv, timeout=10).splitlines()
+    except SlurmError:
+        return ""
+    return ", ".join(sorted({line.strip().rstrip("*") for line in lines if line.strip()}))
 
 
 @dataclass(frozen=True)

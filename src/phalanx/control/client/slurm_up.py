@@ -8,7 +8,8 @@ HyperPod's `sbatch --nodes 4 run.slurm` flow. recipes/slurm/run.sbatch:
 
     cluster   the spec's instance groups get the allocation's nodes (count + spares ≤ SLURM_JOB_NUM_NODES): the
               controller runs on the batch host, one `srun` step of this job starts an agent on every node;
-              refills after a fault are one-node jobs. api.host defaults to the batch host's NodeAddr
+              refills after a fault are one-node jobs, under the allocation's account and partition unless the
+              spec names its own. api.host defaults to the batch host's NodeAddr
     --run     submits the training config with auto-resume, waits for it, deletes the cluster, and exits:
               0   the job succeeded
               3   do not requeue: the job failed for good (an application error, retries spent), or requeues spent
@@ -65,7 +66,11 @@ def allocation_spec(spec: ClusterSpec, env: dict) -> ClusterSpec:
         shown = slurm("scontrol", "show", "node", here, "-o")
         addr = next((w.split("=", 1)[1] for w in shown.split() if w.startswith("NodeAddr=")), None)
         api = api.model_copy(update={"host": addr or here})
-    settings = spec.slurm_settings.model_copy(update={"allocation": job})
+    # refills (one-node jobs) are charged as the allocation is, unless the spec says otherwise: under enforced
+    # accounting another account may be refused the partition, or bill another project
+    inherited = {k: env[v] for k, v in (("account", "SLURM_JOB_ACCOUNT"), ("partition", "SLURM_JOB_PARTITION"))
+                 if env.get(v) and getattr(spec.slurm_settings, k) is None}
+    settings = spec.slurm_settings.model_copy(update={"allocation": job, **inherited})
     return spec.model_copy(update={"backend": "slurm", "slurm": settings, "api": api})
 
 
