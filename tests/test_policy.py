@@ -265,6 +265,33 @@ def test_an_agent_whose_link_closes_is_faulty_after_the_grace_not_the_heartbeat_
     c.run_until(lambda: c.transitions("workers-0")[-1] == "terminated", "workers-0 replaced")
 
 
+@pytest.mark.parametrize("before_s", [0.05, 0.3, 0.45])
+def test_a_link_closed_just_before_its_nodes_silence_check_is_still_judged_after_the_grace(make, before_s):
+    """A backend not polled looks at a healthy node when its silence comes due, and again `link_grace_s` after its
+    link closed. When the close came that little before the silence check, the check found it within the grace
+    and the close was forgotten: the killed agent was found only at the heartbeat timeout (control_scale at 4,096
+    nodes, one run in about 20: a killed agent faulty after 11.9 s, the timeout, not ~0.6 s)."""
+    c = make(count=2, spares=1).create()
+    c.backend.polls = False
+    links = c.reconciler.links = AgentLinks()
+    handle = c.node("workers-0").handle
+    links.opened("workers-0", handle)
+    c.backend.frozen.add("workers-0")  # the agent process is killed (it sends nothing more)...
+    due = c.reconciler.watch._next["workers-0"]  # (when the reconciler next looks at it unprompted: its silence)
+    while c.clock() + 0.1 < due - before_s:
+        c.step(0.1)
+    c.clock.advance(due - before_s - c.clock())
+    links.closed("workers-0", handle, closed_at := c.clock())  # ...and its link closes
+    grace = c.spec.health.link_grace_s
+    assert before_s < grace
+    timeout = c.spec.health.heartbeat_timeout_s
+    while "faulty" not in c.transitions("workers-0") and c.clock() - closed_at < 2 * timeout:
+        c.step(0.1)  # (ticks 0.1 s apart: the silence check comes within the grace)
+    assert "its agent's link to the controller closed" in faulty_reason(c, "workers-0")
+    faulty = next(e for e in c.events(node="workers-0") if e["to_state"] == "faulty")
+    assert faulty["time"] - closed_at <= grace + 0.15  # the first tick past the grace (not the next silence check)
+
+
 @pytest.mark.parametrize("polls", [True, False], ids=["polled", "not-polled"])
 @pytest.mark.parametrize("fault, reason", NODE_FAULTS, ids=NODE_FAULT_IDS)
 def test_a_faulty_member_is_replaced_by_the_spare_and_the_pool_refilled(make, fault, reason, polls):

@@ -101,11 +101,11 @@ class Reconciler:
 
     def _to_observe(self, now: float) -> list[Node]:
         """The live nodes to observe now (`watch.py`): all of them when the backend's `gone`/`taken` must be polled,
-        else the ones something may have happened to; a link's close comes due after `link_grace_s`."""
+        else the ones something may have happened to; a link's close 1 ms past `link_grace_s` (past its rounding)."""
         grace = self.spec.health.link_grace_s
         for name, at in self.links.take_closes() if self.links is not None else ():
             if grace is not None:
-                self.watch.wake(name, at + grace)
+                self.watch.remind(name, at + grace + 1e-3)
         return self.watch.pick(now, every=self.backend.polled() or not self.store.owner)
 
     def _settle(self, status: ClusterStatus, now: float, version: int | None) -> None:

@@ -4,8 +4,9 @@ nodes, observing every healthy node at every tick took a quarter of a core of th
 scans of every node to find the few that changed were most of a tick (benchmarks/control_scale.py).
 
 A node is observed when it is not healthy (bringing up, or judged and waiting to be recovered), its row changed
-other than by a beat (`Store.take_touched`), a deadline of it comes due (`wake`: its silence, its link's close), or
-it is new. Every node is scanned only after a write that was not a heartbeat's observation (`Store.version`).
+other than by a beat (`Store.take_touched`), a deadline of it comes due (`wake`: its silence; `remind`: its link's
+close, once the grace is over), or it is new. Every node is scanned only after a write that was not a heartbeat's
+observation (`Store.version`).
 
 Must not know: what observing a node decides, HTTP, processes.
 """
@@ -20,7 +21,9 @@ from phalanx.control.state.store import Node, NodeState, Store
 class Watch:
     def __init__(self, store: Store):
         self.store = store
-        self._due: list[tuple[float, str]] = []  # heap of (when, node): when a healthy node is looked at again
+        # heap of (when, node, once): when a healthy node is looked at again; `once`: a `remind`, kept whatever
+        # else is due sooner (its silence is a single time: `wake`)
+        self._due: list[tuple[float, str, bool]] = []
         self._next: dict[str, float] = {}  # node → its earliest time in `_due` (later entries of it are stale)
         self._version: int | None = None  # the store's version `_unsettled` and `_order` were read at
         self._unsettled: set[str] = set()  # the live nodes that were not healthy then
@@ -30,15 +33,24 @@ class Watch:
         """Observe node `name` again at `at` (or sooner, if already due sooner)."""
         if at < self._next.get(name, float("inf")):
             self._next[name] = at
-            heapq.heappush(self._due, (at, name))
+            heapq.heappush(self._due, (at, name, False))
+
+    def remind(self, name: str, at: float) -> None:
+        """Observe node `name` at `at` as well, whatever is due sooner: a link's close once its grace is over. As a
+        `wake`, a close whose grace ended after a silence check due sooner was found at that check within its grace,
+        and forgotten: the killed agent was found only at its next silence check, the heartbeat timeout later
+        (tests/test_policy.py)."""
+        heapq.heappush(self._due, (at, name, True))
 
     def pick(self, now: float, *, every: bool) -> list[Node]:
         """The live nodes to observe now; `every`: all of them (the backend is polled, or the store is not the
         owner and keeps no touched rows)."""
         touched, due = self.store.take_touched(), set()
         while self._due and self._due[0][0] <= now:
-            at, name = heapq.heappop(self._due)
-            if self._next.get(name) == at:
+            at, name, once = heapq.heappop(self._due)
+            if once:
+                due.add(name)
+            elif self._next.get(name) == at:
                 del self._next[name]
                 due.add(name)
         version = self.store.version
