@@ -1,8 +1,9 @@
 """The control plane at scale: the real controller against N simulated agents.
 
 For each N in `--nodes` (default 64, 256, 1024): `phalanx cluster create` of a `backend: hosts` cluster of N
-nodes (one group, no spares) on loopback, and N simulated agents in one event loop (uvloop; `--agents-loop
-asyncio`) — no torch in the agents, no processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
+nodes (one group, no spares) on loopback, and N simulated agents in `--agent-processes` processes (default 8: this
+one and 7 children, `agent_processes.py`, which start one after another, each once the agents before it are healthy;
+1 in every result before 2026-12-01), each an event loop (uvloop; `--agents-loop asyncio`) — no torch in the agents, no processes — that speak the real protocol over HTTP/1.1 keep-alive: `POST /v1/join`, then a heartbeat every
 `heartbeat_interval_s` (0.5 s, the default; `--heartbeat-interval S` sets it, and the timeout to 6 × S) with the body a real agent sends (phase, lifecycle, health,
 workers, address, free ports), and each holds its link open (`GET /v1/nodes/{name}/link`) as a real agent does. The controller, its reconciler and SQLite are the real ones. Measured:
 
@@ -135,6 +136,7 @@ class SimAgent:
         self.link_writer: asyncio.StreamWriter | None = None
         self.link_up = False  # its link answered: beats go up it, pokes come down it
         self.next_s: float | None = None  # the last reply's next_heartbeat_s
+        self.state: str | None = None  # the node's state, as the last reply said
         self.full_every = max(interval, FULL_HEARTBEAT_MAX_S)
         self.poked = asyncio.Event()  # the controller has news for this node (`LINK_POKE`)
         self.hurried = False  # the last reply asked for the next heartbeat sooner (`next_heartbeat_s`)
@@ -263,6 +265,7 @@ class SimAgent:
         now = time.time()
         self.reply_sent_at = reply.get("sent_at")
         self.next_s = reply.get("next_heartbeat_s")
+        self.state = reply.get("state")
         self.hurried = self.next_s is not None
         for key in [k for k, w in self.workers.items() if w["state"] == "exited"]:
             del self.workers[key]  # (its exit was in the heartbeat this reply answers)
@@ -366,7 +369,7 @@ def pokes(url: str, token: str) -> float:
 
 
 async def measure(n: int, window: float, root: Path, interval: float | None = None,
-                  timeline: Path | None = None) -> dict:
+                  timeline: Path | None = None, processes: int = 1, agents_loop: str = "uvloop") -> dict:
     os.environ["PHALANX_HOME"] = str(root / f"home-{n}")
     from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
     from phalanx.control.spec import spec_from_dict
@@ -400,8 +403,13 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
             break
         except OSError:
             await asyncio.sleep(0.1)
+    from agent_processes import AgentProcesses, split
+    from agent_processes import window as cut
+
     bench = Bench()
-    agents = [SimAgent(i, Conn(host, port, token), interval, bench) for i in range(n)]
+    (first, own), *others = split(n, processes)  # this process's agents, and the children's (`--agent-processes`)
+    agents = [SimAgent(i, Conn(host, port, token), interval, bench) for i in range(first, first + own)]
+    children = AgentProcesses(host, port, token, interval, agents_loop)
     first_join = time.monotonic()
     gate = asyncio.Semaphore(64)
     links: list[asyncio.Task] = []
@@ -419,6 +427,18 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
 
     tasks = [asyncio.create_task(join_and_run(a)) for a in agents]
     lag_task = asyncio.create_task(sample_lag(bench))
+
+    async def waves() -> None:
+        """The other processes' agents, a process at a time, each once every agent before it is healthy: 4,096
+        agents coming up from 4 processes at once left the controller's creation 1,500-4,100 heartbeats unanswered
+        for 10 s, and a node judged silent failed it (one process could not send that fast; 2026-12-01)."""
+        for i, (start, count) in enumerate(others):
+            while not (all(a.state == "healthy" for a in agents) and children.healthy()):
+                await asyncio.sleep(0.2)
+            await children.start([(start, count)])
+            print(f"N={n}: agents {start}-{start + count - 1} (process {i + 2} of {processes}) start", flush=True)
+
+    starting = asyncio.create_task(waves())
     while creator.is_alive():
         await asyncio.sleep(0.1)
     if "info" not in created:
@@ -430,14 +450,13 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     bench.latencies.clear()
     bench.beats, bench.failures, bench.recording = 0, 0, True
     pokes0 = await loop.run_in_executor(None, pokes, url, token)
-    cpu0, own0, t0 = cpu_seconds(pid), time.process_time(), time.monotonic()
+    cpu0, own0, t0 = cpu_seconds(pid), time.process_time() + children.cpu_seconds(), time.monotonic()
     await asyncio.sleep(window)
-    cpu1, own1, t1 = cpu_seconds(pid), time.process_time(), time.monotonic()
+    cpu1, own1, t1 = cpu_seconds(pid), time.process_time() + children.cpu_seconds(), time.monotonic()
     bench.recording = False
     idle_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
     lat, beats, failures, lags = sorted(bench.latencies), bench.beats, bench.failures, list(bench.lags)
     bench.lags.clear()
-    rate = (len(lat) + beats) / (t1 - t0) / (n / interval)  # (a beat on the link stands for a heartbeat)
 
     scrapes = [(await loop.run_in_executor(None, http_get, f"{url}/metrics", token))[0] for _ in range(5)]
 
@@ -448,10 +467,13 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
     job = json.loads(await loop.run_in_executor(None, lambda: urllib.request.urlopen(req, timeout=60).read()))["id"]
     deadline = time.monotonic() + 300
-    while not all(job in a.assigned_at for a in agents) and time.monotonic() < deadline:
+    while not (all(job in a.assigned_at for a in agents) and children.assigned(job) is not None) \
+            and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    schedule = max(a.assigned_at.get(job, float("inf")) for a in agents) - submitted
-    reached = sorted(a.assigned_at.get(job, float("inf")) - submitted for a in agents)
+    theirs = children.assigned(job)
+    times = [a.assigned_at.get(job, float("inf")) for a in agents] + (theirs if theirs is not None else [float("inf")])
+    reached = sorted(t - submitted for t in times)
+    schedule = reached[-1]
     print(f"N={n}: its assignment reached half the agents {reached[n // 2]:.1f} s after the submit, 90 % "
           f"{reached[int(0.9 * (n - 1))]:.1f} s, the last {reached[-1]:.1f} s", flush=True)
 
@@ -471,14 +493,12 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     pokes0 = await loop.run_in_executor(None, pokes, url, token)
     busy_cpu0, busy_t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.sleep(window)
-    busy_cpu = (cpu_seconds(pid) - busy_cpu0) / (time.monotonic() - busy_t0)
+    busy_t1 = time.monotonic()
+    busy_cpu = (cpu_seconds(pid) - busy_cpu0) / (busy_t1 - busy_t0)
     bench.recording = False
     busy_pokes = await loop.run_in_executor(None, pokes, url, token) - pokes0
     busy, busy_beats, busy_failures, busy_lags = sorted(bench.latencies), bench.beats, bench.failures, bench.lags
     lag_task.cancel()
-    if timeline is not None:  # each heartbeat answered in the idle and busy windows: when it was sent, how long it took
-        timeline.write_text(json.dumps({"nodes": n, "interval_s": interval, "busy_from_s": 0.0, "heartbeats": [
-            [round(sent - busy_t0, 4), round(took, 4)] for sent, took in bench.timeline]}))
 
     def stopped() -> bool:
         """The job's generation ended: every worker confirmed stopped by its agent."""
@@ -503,7 +523,7 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
         print(f"N={n}: every worker stopped {stop:.1f} s after the cancel", flush=True)
     await asyncio.sleep(3 * interval)
 
-    victim = agents[n // 2]
+    victim = agents[len(agents) // 2]  # (this process's agents: the detections are timed here)
     victim.silent = True
     await asyncio.sleep(interval)  # its heartbeat in flight, if any, lands
     silent_at = victim.last_sent  # the heartbeat timeout counts from the newest heartbeat received
@@ -521,7 +541,7 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
 
     detect = await faulty_after(victim, silent_at)
 
-    killed = agents[n // 2 + 1]  # a killed agent: its link closes, the controller learns it without the timeout
+    killed = agents[len(agents) // 2 + 1]  # a killed agent: its link closes, the controller learns it without the timeout
     await asyncio.sleep(interval)
     died_at = time.time()  # (from the kill: the link closes then, whenever its last heartbeat was)
     killed.die()
@@ -536,7 +556,20 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     await asyncio.gather(*links, return_exceptions=True)
     for a in agents:
         a.conn.close()
-    out = {"nodes": n, "ready_s": round(ready, 3), "heartbeats": len(lat), "beats": beats,
+    reports = await children.stop()  # what the other agent processes recorded, cut to the two windows
+    idle, busy_w = cut(reports, t0, t1), cut(reports, busy_t0, busy_t1)
+    lat, beats, failures = sorted(lat + idle["latencies"]), beats + idle["beats"], failures + idle["failures"]
+    lags = lags + idle["lags"]
+    busy, busy_beats = sorted(list(busy) + busy_w["latencies"]), busy_beats + busy_w["beats"]
+    busy_failures, busy_lags = busy_failures + busy_w["failures"], list(busy_lags) + busy_w["lags"]
+    bench.failures_total += sum(r["failures_total"] for r in reports)
+    bench.links_ended += sum(r["links_ended"] for r in reports)
+    rate = (len(lat) + beats) / (t1 - t0) / (n / interval)  # (a beat on the link stands for a heartbeat)
+    if timeline is not None:  # each heartbeat answered in the idle and busy windows: when it was sent, how long it took
+        timeline.write_text(json.dumps({"nodes": n, "interval_s": interval, "busy_from_s": 0.0, "heartbeats": [
+            [round(sent - busy_t0, 4), round(took, 4)]
+            for sent, took in sorted(bench.timeline + idle["timeline"] + busy_w["timeline"])]}))
+    out = {"nodes": n, "agent_processes": processes, "ready_s": round(ready, 3), "heartbeats": len(lat), "beats": beats,
            "busy_heartbeats": len(busy), "busy_beats": busy_beats, "hb_failed": failures,
            "busy_hb_failed": busy_failures, "hb_failed_total": bench.failures_total, "pokes": idle_pokes, "busy_pokes": busy_pokes,
            "hb_p50_ms": round(1000 * lat[len(lat) // 2], 2), "hb_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
@@ -567,6 +600,9 @@ def main() -> None:
     parser.add_argument("--agents-loop", choices=("uvloop", "asyncio"), default="uvloop",
                         help="the simulated agents' event loop (uvloop since 2026-11-29: the agents take less of the "
                         "cores the controller shares; asyncio is what every earlier result used)")
+    parser.add_argument("--agent-processes", type=int, default=8, help="processes the simulated agents run in "
+                        "(default 8; every result before 2026-12-01 used 1: that one loop's pauses were the heartbeats' "
+                        "tail at 4,096 agents, benchmarks/agent_processes.py)")
     parser.add_argument("--timeline", type=Path, help="write each heartbeat of the idle and busy windows (sent at, "
                         "seconds from the busy window's start; answered after, seconds) to TIMELINE_<N>.json")
     args = parser.parse_args()
@@ -578,14 +614,18 @@ def main() -> None:
             try:
                 timeline = args.timeline.with_name(f"{args.timeline.stem}_{n}.json") if args.timeline else None
                 run = uvloop.run if args.agents_loop == "uvloop" else asyncio.run
-                rows.append({**run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline)),
-                             "agents_loop": args.agents_loop})
+                rows.append({**run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline,
+                                           processes=max(1, min(args.agent_processes, n)),
+                                           agents_loop=args.agents_loop)), "agents_loop": args.agents_loop})
             except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
                 reason = str(err).splitlines()[0][:300]
                 print(f"N={n}: failed: {reason}", flush=True)
                 rows.append({"nodes": n, "error": reason})
-            finally:  # a failed measurement leaves no controller behind to skew the next one
+            finally:  # a failed measurement leaves no controller nor agent process behind to skew the next one
+                from agent_processes import AgentProcesses
                 from phalanx.control.client.cluster import delete_cluster
+
+                AgentProcesses.kill_all()
                 from phalanx.control.state.paths import list_clusters
 
                 for name in list_clusters():
@@ -610,7 +650,8 @@ def main() -> None:
                              "command": "PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes "
                                         + " ".join(map(str, args.nodes)) + (
                                             f" --heartbeat-interval {args.heartbeat_interval}"
-                                            if args.heartbeat_interval else "")})
+                                            if args.heartbeat_interval else "")
+                                        + f" --agent-processes {args.agent_processes}"})
 
 
 if __name__ == "__main__":
