@@ -566,7 +566,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     bench.links_ended += sum(r["links_ended"] for r in reports)
     rate = (len(lat) + beats) / (t1 - t0) / (n / interval)  # (a beat on the link stands for a heartbeat)
     if timeline is not None:  # each heartbeat answered in the idle and busy windows: when it was sent, how long it took
-        timeline.write_text(json.dumps({"nodes": n, "interval_s": interval, "busy_from_s": 0.0, "heartbeats": [
+        timeline.write_text(json.dumps({"nodes": n, "interval_s": interval, "busy_from_s": 0.0, "busy_t0_monotonic": busy_t0,
+                                        "heartbeats": [
             [round(sent - busy_t0, 4), round(took, 4)]
             for sent, took in sorted(bench.timeline + idle["timeline"] + busy_w["timeline"])]}))
     out = {"nodes": n, "agent_processes": processes, "ready_s": round(ready, 3), "heartbeats": len(lat), "beats": beats,
