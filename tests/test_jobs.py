@@ -255,7 +255,8 @@ def test_a_survivor_waiting_between_generations_tells_its_agent_no_step_and_is_n
         sup.poll()
         assert w.hang is None and proc.poll() is None
         assert reporter.switch(2, 3, wait_s=10)  # it moved into generation 2 as rank 3: no step there yet
-        assert protocol.read_local(local)[:2] == (2, None)
+        # (its agent's file is written by a thread of its own, the next moment: `switch` waits for the store only)
+        wait_for(lambda: protocol.read_local(local)[:2] == (2, None), 5, "generation 2, no step, for the agent")
         reporter.report(7)  # restored step 7: from here on its steps are judged again
         wait_for(lambda: protocol.read_local(local)[:2] == (2, 7), 5, "the restored step for the agent")
     finally:
