@@ -11,8 +11,11 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# Pinned: a local CPU wheel exists for exactly this version; unpinned torch pulls CUDA packages.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+	# The bytecode once, on every core (pip compiles file by file, on one: ~30 s more of the install here); a
+	# file written for a newer Python does not compile, as under pip, and is left as it is
+	$(PY) -m compileall -q -j0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null 2>&1 || true
 	touch $(STAMP)
 
 install: $(STAMP)
