@@ -360,6 +360,26 @@ def http_get(url: str, token: str) -> tuple[float, bytes]:
     return time.perf_counter() - start, data
 
 
+async def controller_api(cluster: str) -> tuple[str, int, str, int]:
+    """The cluster's controller once its API answers: (host, port, token, pid), from the files `cluster create`
+    writes."""
+    from phalanx.control.state.paths import ClusterPaths
+
+    paths = ClusterPaths.for_name(cluster)
+    while not (paths.endpoint.is_file() and paths.token.is_file()):
+        await asyncio.sleep(0.05)
+    ep, token = json.loads(paths.endpoint.read_text()), paths.token.read_text().strip()
+    host, port = ep["connect_host"], ep["api_port"]
+    loop = asyncio.get_running_loop()
+    for _ in range(600):  # (the endpoint file is written before the API listens)
+        try:
+            await loop.run_in_executor(None, http_get, f"http://{host}:{port}/v1/cluster", token)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    return host, port, token, ep["pid"]
+
+
 def pokes(url: str, token: str) -> float:
     """The controller's count of pokes sent down agents' links (/metrics)."""
     for line in http_get(f"{url}/metrics", token)[1].decode().splitlines():
@@ -373,7 +393,6 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     os.environ["PHALANX_HOME"] = str(root / f"home-{n}")
     from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
     from phalanx.control.spec import spec_from_dict
-    from phalanx.control.state.paths import ClusterPaths
 
     spec = spec_from_dict({"name": f"scale{n}", "backend": "hosts", "api": {"host": "127.0.0.1"},
                            "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": n,
@@ -390,19 +409,9 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
 
     creator = threading.Thread(target=create, daemon=True)
     creator.start()
-    paths = ClusterPaths.for_name(spec.name)
-    while not (paths.endpoint.is_file() and paths.token.is_file()):
-        await asyncio.sleep(0.05)
-    ep, token = json.loads(paths.endpoint.read_text()), paths.token.read_text().strip()
-    host, port, pid = ep["connect_host"], ep["api_port"], ep["pid"]
+    host, port, token, pid = await controller_api(spec.name)
     url = f"http://{host}:{port}"
     loop = asyncio.get_running_loop()
-    for _ in range(600):  # the endpoint file is written before the API listens
-        try:
-            await loop.run_in_executor(None, http_get, f"{url}/v1/cluster", token)
-            break
-        except OSError:
-            await asyncio.sleep(0.1)
     from agent_processes import AgentProcesses, split
     from agent_processes import window as cut
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -35,7 +34,7 @@ from pathlib import Path
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from control_scale import Bench, Conn, SimAgent, http_get  # noqa: E402
+from control_scale import Bench, Conn, SimAgent, controller_api  # noqa: E402
 from report import RESULTS_DIR, write_results  # noqa: E402
 
 RESULTS = RESULTS_DIR / "link_detection.json"
@@ -45,8 +44,6 @@ async def measure(agents_n: int, kills: int, root: Path) -> dict:
     os.environ["PHALANX_HOME"] = str(root / "home")
     from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
     from phalanx.control.spec import spec_from_dict
-    from phalanx.control.state.paths import ClusterPaths
-
     spec = spec_from_dict({"name": "detect", "backend": "hosts", "api": {"host": "127.0.0.1"}, "node_recovery": "none",
                            "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": agents_n,
                                                 "warm_standby": False, "worker_template": False}]})
@@ -55,18 +52,8 @@ async def measure(agents_n: int, kills: int, root: Path) -> dict:
     creator = threading.Thread(target=lambda: created.setdefault("info", create_cluster(spec, timeout_s=300)),
                                daemon=True)
     creator.start()
-    paths = ClusterPaths.for_name(spec.name)
-    while not (paths.endpoint.is_file() and paths.token.is_file()):
-        await asyncio.sleep(0.05)
-    endpoint, token = json.loads(paths.endpoint.read_text()), paths.token.read_text().strip()
-    host, port = endpoint["connect_host"], endpoint["api_port"]
+    host, port, token, _ = await controller_api(spec.name)
     loop = asyncio.get_running_loop()
-    for _ in range(600):  # (the endpoint file is written before the API listens)
-        try:
-            await loop.run_in_executor(None, http_get, f"http://{host}:{port}/v1/cluster", token)
-            break
-        except OSError:
-            await asyncio.sleep(0.1)
     bench = Bench()
     agents = [SimAgent(i, Conn(host, port, token), interval, bench) for i in range(agents_n)]
 
