@@ -261,6 +261,38 @@ def test_the_hosts_backend_learns_each_node_from_its_agent_and_starts_nothing(tm
     store.close()
 
 
+def test_agents_joining_together_claim_nodes_by_index_members_first_in_one_batch_of_rows(tmp_path):
+    """The rows of a group's missing nodes are written in one transaction, and a join finds its node on an index,
+    not by sorting every waiting node: 4,096 agents started at once (one `srun` step) failed a cluster's creation
+    while the provisioning and the joins took the store's lock a node at a time."""
+    group = {"name": "workers", "instance_type": "local.cpu-1", "count": 3, "spares": 1}
+    spec = spec_from_dict({"name": "c1", "backend": "hosts", "api": {"host": "198.18.0.2"},
+                           "instance_groups": [group]})
+    store = Store(tmp_path / "state.db", owner=True)
+    store.initialize(spec)
+    spare = store.add_node("workers", is_spare=True, work_root=tmp_path, reason="spare first")
+    added = store.add_nodes("workers", [(False, "m0"), (False, "m1"), (True, "s1")], work_root=tmp_path)
+    assert [n.name for n in added] == ["workers-1", "workers-2", "workers-3"] and [n.reason for n in added] == \
+        ["m0", "m1", "s1"] and [n.is_spare for n in added] == [False, False, True]
+    assert [e["to_state"] for e in store.events() if e["node"] == "workers-2"] == ["provisioning"]
+    assert store.add_nodes("workers", [(False, "next")], work_root=tmp_path)[0].name == "workers-4", "never reused"
+    claims = [store.claim_node("workers", f"host{i}:1", "/w") for i in range(5)]
+    assert [c.name for c in claims] == ["workers-1", "workers-2", "workers-4", spare.name, "workers-3"], \
+        "members before spares, oldest first"
+    assert store.claim_node("workers", "host9:1", "/w") is None
+    assert store.claim_node("workers", "host1:1", "/w").name == "workers-2", "the same agent again: its own node"
+    named = store.add_node("workers", is_spare=False, work_root=tmp_path, reason="named")
+    assert store.claim_node("workers", "hostN:1", "/w", name="workers-1") is None, "a named node already claimed"
+    assert store.claim_node("workers", "hostN:1", "/w", name=named.name).name == named.name
+    from phalanx.control.state.schema import JOIN_MINE, JOIN_WAITING
+
+    for query, args in ((JOIN_WAITING, ("workers", "provisioning")), (JOIN_MINE, ("workers", "provisioning", "h"))):
+        plan = " ".join(r[3] for r in store.execute(f"EXPLAIN QUERY PLAN {query.format(name='')}", args))
+        assert "USING INDEX nodes_" in plan, plan
+        assert "TEMP B-TREE" not in plan or query is JOIN_MINE, plan  # (a handle is on one node: nothing to sort)
+    store.close()
+
+
 def test_the_hosts_backend_takes_an_agent_whose_link_closed_for_gone_without_waiting_out_its_silence(tmp_path):
     group = {"name": "workers", "instance_type": "local.cpu-1", "count": 1}
     spec = spec_from_dict({"name": "c1", "backend": "hosts", "api": {"host": "198.18.0.2"},

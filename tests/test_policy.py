@@ -487,6 +487,70 @@ def test_many_nodes_silent_at_once_are_not_judged_until_the_others_are_heard_aga
     assert gen1.outcome == "node-fault" and "node workers-0 faulty" in gen1.end_reason, "on workers-0 alone"
 
 
+def test_the_nodes_left_silent_after_a_mass_silence_wait_while_the_others_keep_coming_back(make):
+    """A controller catching up after a mass silence hears its nodes a few at a time (4,096 agents started together:
+    the 188 still silent the tick the rest were past the fraction were judged, and failed the cluster's creation).
+    The nodes still silent are judged once none came back for heartbeat_timeout_s, not as soon as too few are."""
+    c = make(count=10, spares=0).create()
+    timeout = c.spec.health.heartbeat_timeout_s
+    frozen = [f"workers-{i}" for i in range(9)]
+    for name in frozen:
+        c.inject_fault(name, "freeze-node")
+    c.steps(int(1.5 * timeout / c.interval))
+    assert set(c.states().values()) == {"healthy"}, "a mass silence: none judged"
+    for name in reversed(frozen[1:]):  # heard again one at a time, each half a timeout after the one before
+        c.backend.frozen.discard(name)
+        c.steps(int(0.5 * timeout / c.interval))
+        assert set(c.states().values()) == {"healthy"}, f"{name} came back; the rest still wait"
+    last_back = c.clock()
+    c.run_until(lambda: state(c, "workers-0") != "healthy", "workers-0 judged once none came back for a timeout")
+    assert timeout - 0.5 * timeout <= c.clock() - last_back <= timeout + 2 * c.interval
+    assert "no heartbeat for" in faulty_reason(c, "workers-0")
+    assert all(state(c, n) == "healthy" for n in frozen[1:])
+    c.inject_fault("workers-9", "freeze-node")  # a node alone, after: judged at its timeout, nothing held
+    silent_from = c.clock()
+    c.run_until(lambda: state(c, "workers-9") != "healthy", "workers-9 judged alone")
+    assert c.clock() - silent_from <= timeout + 2 * c.interval
+
+
+def test_a_heartbeat_answered_late_never_dates_its_node_back(make):
+    """A heartbeat queued for seconds (4,096 agents started together: 14 s), whose agent's retry was answered first
+    and whose beats came since, is answered with its arrival time: the node's last sign of life stays the newest, or
+    the node reads as silent (one failed a cluster's creation that way)."""
+    from phalanx.control.server.heartbeat import answer_heartbeat
+    from phalanx.protocol.messages import Heartbeat
+
+    c = make(count=2, spares=0).create()
+    agent = c.agents["workers-0"]
+    arrived = c.clock()  # the original heartbeat arrives, and waits in the queue
+    body = Heartbeat.model_validate(agent.body())
+    c.steps(int(0.8 * c.spec.health.heartbeat_timeout_s / c.interval))  # its retry and heartbeats since: answered
+    newest = c.node("workers-0").last_heartbeat
+    assert newest > arrived
+    answer_heartbeat(c.store, c.jobs, c.deep, c.started_at, c.node("workers-0"), body, arrived)  # answered at last
+    assert c.node("workers-0").last_heartbeat == newest
+    c.backend.frozen.add("workers-0")  # silent from here: judged at the timeout from the newest, not from `arrived`
+    c.steps(int(0.5 * c.spec.health.heartbeat_timeout_s / c.interval))
+    assert state(c, "workers-0") == "healthy"
+
+
+def test_mass_silence_holds_many_at_once_then_the_tail_while_it_falls():
+    from phalanx.control.policy.watch import MASS_SILENCE_HOLD, MassSilence
+
+    m, heard = MassSilence(), lambda: 100
+    hold = dict(timeout=3.0, fraction=0.5)
+    assert m.holds([4.0] * 7, heard, now=0.0, **hold) is None, "fewer than MASS_SILENCE_MIN: judged"
+    assert m.holds([4.0] * 50, heard, now=0.0, **hold) is None, "not more than half"
+    assert m.holds([4.0] * 60, heard, now=1.0, **hold) == "mass" and m.heard == 100
+    assert m.holds([5.0] * 20, heard, now=2.0, **hold) == "tail", "fewer: catching up"
+    assert m.holds([6.0] * 20, heard, now=4.9, **hold) == "tail", "none back for less than a timeout"
+    assert m.holds([7.0] * 20, heard, now=5.0, **hold) is None, "none back for a timeout: judged"
+    assert m.holds([4.0], heard, now=6.0, **hold) is None, "the tail ended with its judgment"
+    assert m.holds([4.0] * 60, heard, now=7.0, **hold) == "mass"
+    assert m.holds([3.0 * MASS_SILENCE_HOLD] * 60, heard, now=8.0, **hold) is None, "past the hold: judged"
+    assert m.holds([4.0] * 60, heard, now=9.0, timeout=3.0, fraction=None) is None, "the rule off"
+
+
 def test_a_mass_silence_longer_than_its_hold_is_judged(make):
     """Hosts can die together (a rack's power): held past MASS_SILENCE_HOLD timeouts, the silent nodes are faulty."""
     from phalanx.control.policy.reconciler import MASS_SILENCE_HOLD

@@ -32,7 +32,7 @@ import time
 from typing import Callable
 
 from phalanx.control.agent.health import REPLACE_NODE, summarize_failure
-from phalanx.control.policy.watch import Watch
+from phalanx.control.policy.watch import MASS_SILENCE_HOLD, MASS_SILENCE_MIN, MassSilence, Watch  # noqa: F401
 from phalanx.control.state.store import BRINGUP_STATES, FAULT_CAUSES, FLUSH_S, ClusterStatus, Node, NodeState, Store
 from phalanx.observability.events import EventKind as E
 
@@ -43,8 +43,6 @@ TERMINATE_GRACE_S = 5.0
 # new node's agent, template and standby take the recovering ranks' cores (elsewhere a refill takes longer anyway).
 REFILL_HOLD_S = 10.0
 MAX_PROVISION_FAILURES = 3
-MASS_SILENCE_MIN = 8  # nodes silent at once before `health.mass_silence_fraction` may hold their judgment...
-MASS_SILENCE_HOLD = 10  # ...for at most this many heartbeat_timeout_s: silent longer, hosts that did die together
 
 
 class Reconciler:
@@ -64,6 +62,7 @@ class Reconciler:
         self.watch = Watch(store)  # which nodes a tick observes
         self._calm_at: int | None = None  # `Store.version` at a tick that left nothing to recover, retire or refill
         self._silent: list[tuple[Node, float]] = []  # (node, seconds) silent past the timeout at this tick
+        self._mass = MassSilence()  # when silence waits to be judged
 
     def tick(self) -> None:
         # what the server's loop had read when the tick began: every beat read by then is folded next, and silence
@@ -197,21 +196,23 @@ class Reconciler:
             self.fault(node, f"health check failed: {summarize_failure(health)}", "health-check")
 
     def _judge_silence(self) -> None:
-        """The nodes silent past heartbeat_timeout_s at this tick are faulty, unless more than mass_silence_fraction of
-        the nodes that heartbeat (and MASS_SILENCE_MIN) are: hosts die one by one, so many at once is the controller's
-        own load or network (as Kubernetes' node controller holds evictions in a full disruption). The ones still
-        silent once the others are heard, or after MASS_SILENCE_HOLD timeouts, are faulty."""
+        """The nodes silent past heartbeat_timeout_s at this tick are faulty, unless `MassSilence` holds them (many at
+        once, or the ones left as the controller catches up: `watch.py`); as Kubernetes' node controller holds
+        evictions in a full disruption."""
         silent, self._silent, h = self._silent, [], self.spec.health
         hold = MASS_SILENCE_HOLD * h.heartbeat_timeout_s
-        if h.mass_silence_fraction is not None and MASS_SILENCE_MIN <= len(silent) and max(s for _, s in silent) < hold:
-            heard = sum(1 for n in self.store.nodes(include_terminated=False)
-                        if n.last_heartbeat is not None and n.state not in (S.FAULTY, S.REPLACING))
-            if len(silent) > h.mass_silence_fraction * heard:
-                return self._say_once("mass-silence", f"{len(silent)} of {heard} nodes silent past heartbeat_"
-                                      f"timeout_s={h.heartbeat_timeout_s:g} at once: the controller's own load or "
-                                      f"network more likely than that many hosts; none is judged faulty (health."
-                                      f"mass_silence_fraction={h.mass_silence_fraction:g}); next: judged each tick, "
-                                      f"faulty if silent {hold:g} s")
+        live = lambda: sum(1 for n in self.store.nodes(include_terminated=False)  # noqa: E731
+                           if n.last_heartbeat is not None and n.state not in (S.FAULTY, S.REPLACING))
+        held = self._mass.holds([s for _, s in silent], live, now=self.clock(), timeout=h.heartbeat_timeout_s,
+                                fraction=h.mass_silence_fraction)
+        if held == "mass":
+            return self._say_once("mass-silence", f"{len(silent)} of {self._mass.heard} nodes silent past heartbeat_"
+                                  f"timeout_s={h.heartbeat_timeout_s:g} at once: the controller's own load or network "
+                                  f"more likely than that many hosts; none is judged faulty (health.mass_silence_"
+                                  f"fraction={h.mass_silence_fraction:g}); next: judged once their count stops "
+                                  f"falling for heartbeat_timeout_s, or when silent {hold:g} s")
+        if held == "tail":
+            return
         if "mass-silence" in self._said:
             self._said.discard("mass-silence")
             log.warning("mass silence over; %d nodes still silent past heartbeat_timeout_s are judged", len(silent))
@@ -372,29 +373,28 @@ class Reconciler:
                                f"not provisioning more until the controller restarts (`phalanx cluster stop` "
                                f"then `phalanx cluster start` once the cause is fixed)")
                 continue
-            for i in range(members, g["count"]):
-                why = f"initial member {i + 1}/{g['count']}" if creating else f"member {i + 1}/{g['count']} missing"
-                self.provision(g["name"], is_spare=False, reason=f"group {g['name']}: {why}")
-            if spares < g["spares"] and not creating and self._refill_held():
-                continue
-            for i in range(spares, g["spares"]):
-                why = (f"initial spare {i + 1}/{g['spares']}" if creating
-                       else f"refilling spare pool ({i + 1}/{g['spares']})")
-                self.provision(g["name"], is_spare=True, reason=f"group {g['name']}: {why}")
+            wanted = [(False, f"group {g['name']}: " + (f"initial member {i + 1}/{g['count']}" if creating else
+                                                        f"member {i + 1}/{g['count']} missing"))
+                      for i in range(members, g["count"])]
+            if not (spares < g["spares"] and not creating and self._refill_held()):
+                wanted += [(True, f"group {g['name']}: " + (f"initial spare {i + 1}/{g['spares']}" if creating else
+                                                           f"refilling spare pool ({i + 1}/{g['spares']})"))
+                           for i in range(spares, g["spares"])]
+            self.provision(g["name"], wanted)
 
     def _refill_held(self) -> bool:
         since = self.jobs.relaunched_since() if self.jobs is not None else None
         return since is not None and self.clock() - since < REFILL_HOLD_S
 
-    def provision(self, group: str, *, is_spare: bool, reason: str) -> None:
-        node = self.store.add_node(group, is_spare=is_spare, work_root=self.backend.work_root(),
-                                   reason=reason)
-        try:
-            handle = self.backend.launch(node)
-        except OSError as err:
-            self.fault(node, f"could not start the agent: {err}", "agent-start-failed")
-            return
-        if handle is not None:  # None: an agent joins (hosts, Slurm) and may have claimed the row already
-            self.store.update_node(node.name, handle=handle)
-        log.info("provisioning %s (%s, %s): %s", node.name, "spare" if is_spare else "member",
-                 f"agent {handle}" if handle else "waiting for an agent to join", reason)
+    def provision(self, group: str, wanted: list[tuple[bool, str]]) -> None:
+        """New nodes for `group`, one per (is_spare, reason), their rows in one transaction; then each agent started."""
+        for node in self.store.add_nodes(group, wanted, work_root=self.backend.work_root()) if wanted else ():
+            try:
+                handle = self.backend.launch(node)
+            except OSError as err:
+                self.fault(node, f"could not start the agent: {err}", "agent-start-failed")
+                continue
+            if handle is not None:  # None: an agent joins (hosts, Slurm) and may have claimed the row already
+                self.store.update_node(node.name, handle=handle)
+            log.info("provisioning %s (%s, %s): %s", node.name, "spare" if node.is_spare else "member",
+                     f"agent {handle}" if handle else "waiting for an agent to join", node.reason)

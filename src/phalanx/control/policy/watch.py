@@ -8,6 +8,8 @@ other than by a beat (`Store.take_touched`), a deadline of it comes due (`wake`:
 close, once the grace is over), or it is new. Every node is scanned only after a write that was not a heartbeat's
 observation (`Store.version`).
 
+When the silence of nodes past the timeout is not judged yet: `MassSilence` (the counts, no policy of what follows).
+
 Must not know: what observing a node decides, HTTP, processes.
 """
 
@@ -16,6 +18,9 @@ from __future__ import annotations
 import heapq
 
 from phalanx.control.state.store import Node, NodeState, Store
+
+MASS_SILENCE_MIN = 8  # nodes silent at once before `health.mass_silence_fraction` may hold their judgment...
+MASS_SILENCE_HOLD = 10  # ...for at most this many heartbeat_timeout_s: silent longer, hosts that did die together
 
 
 class Watch:
@@ -65,3 +70,33 @@ class Watch:
         last = len(self._order)
         picked = (self.store.node(name) for name in sorted(names, key=lambda n: self._order.get(n, last)))
         return [n for n in picked if n is not None and n.state != NodeState.TERMINATED]
+
+
+class MassSilence:
+    """Whether the nodes silent past the timeout at a tick wait to be judged. More than `fraction` of the nodes that
+    heartbeat (and MASS_SILENCE_MIN) silent at once is the controller's own load or network more likely than that
+    many hosts ("mass"). After one, the nodes still silent wait while their count falls, the controller catching up
+    ("tail": 188 of 4,096 agents started together, judged the tick the rest were heard, failed a cluster's
+    creation), until none came back for a timeout. Never longer than MASS_SILENCE_HOLD timeouts."""
+
+    def __init__(self):
+        self._tail: tuple[int, float] | None = None  # since a mass silence: (nodes silent, since when that few)
+        self.heard = 0  # how many nodes heartbeat, at the last mass silence
+
+    def holds(self, silent: list[float], count_heard, *, now: float, timeout: float,
+              fraction: float | None) -> str | None:
+        """`silent`: each silent node's seconds; `count_heard()`: how many nodes heartbeat. "mass", "tail" or None."""
+        if not silent or max(silent) >= MASS_SILENCE_HOLD * timeout:
+            self._tail = None
+            return None
+        many = fraction is not None and MASS_SILENCE_MIN <= len(silent)
+        if many and len(silent) > fraction * (heard := count_heard()):
+            self.heard = heard
+            self._tail = (len(silent), now)
+            return "mass"
+        if self._tail is not None and len(silent) < self._tail[0]:
+            self._tail = (len(silent), now)
+        if self._tail is not None and now - self._tail[1] < timeout:
+            return "tail"
+        self._tail = None
+        return None

@@ -23,7 +23,9 @@ def answer_heartbeat(store: Store, jobs, deep_checks, controller_id: float, node
     the decision it waits on is taken now, not at the next tick."""
     if hb.handle != node.handle:
         store.update_node(node.name, handle=hb.handle)  # (its first heartbeat: written now, not batched)
-    store.observe_node(node.name, last_heartbeat=now, health=hb.health,
+    # never older than a sign of life already seen: a heartbeat answered after a queue of seconds, its agent's
+    # retry answered before it and its beats since, dated the node back to its arrival (and it was judged silent)
+    store.observe_node(node.name, last_heartbeat=max(now, node.last_heartbeat or now), health=hb.health,
                        report={"phase": hb.phase, "lifecycle": hb.lifecycle, "deep_check": hb.deep_check,
                                "standbys": hb.standbys, "address": hb.address, "ifname": hb.ifname,
                                "free_ports": hb.free_ports})

@@ -82,6 +82,13 @@ CREATE INDEX IF NOT EXISTS workers_node ON workers(node, state);  -- each heartb
 """
 
 
+# A join's two lookups (`Store.claim_node`), on the indexes `migrate` makes; `{name}`: "" or " AND name=?"
+JOIN_MINE = ("SELECT name FROM nodes WHERE group_name=? AND state=?{name} AND handle=? "
+             "ORDER BY is_spare, created_at, name LIMIT 1")
+JOIN_WAITING = ("SELECT name FROM nodes WHERE group_name=? AND state=?{name} AND handle IS NULL "
+                "ORDER BY is_spare, created_at, name LIMIT 1")
+
+
 def migrate(db: sqlite3.Connection) -> None:
     """Bring an existing state.db up to `SCHEMA` (a fresh file has no tables yet: nothing to do).
 
@@ -93,6 +100,9 @@ def migrate(db: sqlite3.Connection) -> None:
     - Before straggler settings a job had none: `jobs.straggler_json` is added, NULL (the defaults).
     - Before elastic jobs: `jobs.elastic_json` (NULL: a fixed-size job) and `jobs.priority` (0) are added.
     - Before the index `workers_node` a heartbeat scanned the workers table: the index is added.
+    - The indexes a join looks its node up by, `nodes_waiting` and `nodes_handle` (without them each join sorted
+      every waiting node: 7 ms at 4,096, under the store's lock), are made here, for a new state.db too (after
+      `SCHEMA`): an older one has no `handle` column until it is added above.
     """
     columns = {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
     if columns and "handle" not in columns:
@@ -101,6 +111,9 @@ def migrate(db: sqlite3.Connection) -> None:
     if columns and "fault_cause" not in columns:
         db.execute("ALTER TABLE nodes ADD COLUMN fault_cause TEXT")
     if columns:
+        db.execute("CREATE INDEX IF NOT EXISTS nodes_waiting ON nodes(group_name, state, is_spare, created_at, name) "
+                   "WHERE handle IS NULL")
+        db.execute("CREATE INDEX IF NOT EXISTS nodes_handle ON nodes(handle)")
         db.execute("CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, label TEXT NOT NULL, "
                    "value INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, label))")
     job_columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
