@@ -74,6 +74,16 @@ HEALTH = [{"name": "disk", "status": "ok", "detail": "simulated", "action": None
           {"name": "memory", "status": "ok", "detail": "simulated", "action": None}]
 
 
+def controller_errors(cluster: str, last: int = 3) -> str:
+    """The last ERROR lines of the cluster's controller log (why a run failed; the log goes with its directory)."""
+    from phalanx.control.state.paths import ClusterPaths
+
+    log = ClusterPaths.for_name(cluster).controller_log
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if " ERROR " in line] \
+        if log.is_file() else []
+    return " | ".join(line[:300] for line in lines[-last:]) or "none"
+
+
 class Conn:
     """One keep-alive HTTP/1.1 connection to the controller."""
 
@@ -94,15 +104,24 @@ class Conn:
                 raise ConnectionAbortedError("the agent was killed") from None
             print(f"{method} {path}: {type(err).__name__} {err}; again on a new connection", file=sys.stderr, flush=True)
             self.close()
+        try:
             return await asyncio.wait_for(self._request(method, path, body), REQUEST_TIMEOUT_S)
+        except BaseException:
+            # closed, as a real agent's connection (`control/http.py`): a request sent next on this one would wait,
+            # unseen, behind the unanswered one (HTTP/1.1 answers in order), and its agent would read as silent
+            self.close()
+            raise
 
     async def _request(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
-        if self.writer is None:
+        if self.writer is None or self.writer.is_closing():  # (a connection the controller closed meanwhile)
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode() if body is not None else b""
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        self.writer.write(head.encode() + data)
+        try:
+            self.writer.write(head.encode() + data)
+        except RuntimeError as err:  # uvloop's word for a write on a transport closed under it
+            raise ConnectionResetError(str(err)) from None
         await self.writer.drain()
         status_line = await self.reader.readline()
         if not status_line:
@@ -389,7 +408,8 @@ def pokes(url: str, token: str) -> float:
 
 
 async def measure(n: int, window: float, root: Path, interval: float | None = None,
-                  timeline: Path | None = None, processes: int = 1, agents_loop: str = "uvloop") -> dict:
+                  timeline: Path | None = None, processes: int = 1, agents_loop: str = "uvloop",
+                  bring_up: str = "waves") -> dict:
     os.environ["PHALANX_HOME"] = str(root / f"home-{n}")
     from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
     from phalanx.control.spec import spec_from_dict
@@ -441,6 +461,10 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
         """The other processes' agents, a process at a time, each once every agent before it is healthy: 4,096
         agents coming up from 4 processes at once left the controller's creation 1,500-4,100 heartbeats unanswered
         for 10 s, and a node judged silent failed it (one process could not send that fast; 2026-12-01)."""
+        if bring_up == "together":  # every agent at once, as one `srun` step starts them
+            await children.start(others)
+            print(f"N={n}: every agent starts at once ({processes} processes)", flush=True)
+            return
         for i, (start, count) in enumerate(others):
             while not (all(a.state == "healthy" for a in agents) and children.healthy()):
                 await asyncio.sleep(0.2)
@@ -451,7 +475,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     while creator.is_alive():
         await asyncio.sleep(0.1)
     if "info" not in created:
-        raise RuntimeError(f"the cluster did not come into service: {created.get('error')}")
+        raise RuntimeError(f"the cluster did not come into service: {created.get('error')}; the controller's "
+                           f"last errors: {controller_errors(spec.name)}")
     ready = time.monotonic() - first_join
     print(f"N={n}: in service {ready:.1f} s after the first join", flush=True)
 
@@ -480,7 +505,10 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
             and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     theirs = children.assigned(job)
-    times = [a.assigned_at.get(job, float("inf")) for a in agents] + (theirs if theirs is not None else [float("inf")])
+    if theirs is None or not all(job in a.assigned_at for a in agents):
+        raise RuntimeError(f"the job's assignment did not reach every agent within 300 s; the controller's last "
+                           f"errors: {controller_errors(spec.name)}")
+    times = [a.assigned_at[job] for a in agents] + theirs
     reached = sorted(t - submitted for t in times)
     schedule = reached[-1]
     print(f"N={n}: its assignment reached half the agents {reached[n // 2]:.1f} s after the submit, 90 % "
@@ -613,6 +641,9 @@ def main() -> None:
     parser.add_argument("--agent-processes", type=int, default=8, help="processes the simulated agents run in "
                         "(default 8; every result before 2026-12-01 used 1: that one loop's pauses were the heartbeats' "
                         "tail at 4,096 agents, benchmarks/agent_processes.py)")
+    parser.add_argument("--bring-up", choices=("waves", "together"), default="waves",
+                        help="waves (default): the agent processes start one after another, each once the agents "
+                        "before it are healthy; together: all at once, as one `srun` step starts a cluster's agents")
     parser.add_argument("--timeline", type=Path, help="write each heartbeat of the idle and busy windows (sent at, "
                         "seconds from the busy window's start; answered after, seconds) to TIMELINE_<N>.json")
     args = parser.parse_args()
@@ -626,7 +657,8 @@ def main() -> None:
                 run = uvloop.run if args.agents_loop == "uvloop" else asyncio.run
                 rows.append({**run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline,
                                            processes=max(1, min(args.agent_processes, n)),
-                                           agents_loop=args.agents_loop)), "agents_loop": args.agents_loop})
+                                           agents_loop=args.agents_loop, bring_up=args.bring_up)),
+                             "agents_loop": args.agents_loop, "bring_up": args.bring_up})
             except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
                 reason = str(err).splitlines()[0][:300]
                 print(f"N={n}: failed: {reason}", flush=True)
@@ -661,7 +693,8 @@ def main() -> None:
                                         + " ".join(map(str, args.nodes)) + (
                                             f" --heartbeat-interval {args.heartbeat_interval}"
                                             if args.heartbeat_interval else "")
-                                        + f" --agent-processes {args.agent_processes}"})
+                                        + f" --agent-processes {args.agent_processes}"
+                                        + (" --bring-up together" if args.bring_up == "together" else "")})
 
 
 if __name__ == "__main__":
