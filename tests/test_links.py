@@ -295,6 +295,66 @@ def test_a_heartbeat_answered_late_is_dated_from_its_arrival(monkeypatch):
     assert all(dated - arrived < 0.1 for dated, _ in answered), f"dated after their arrival: {answered}, {arrived}"
 
 
+@pytest.mark.parametrize("link", ["open", "closed"])
+def test_a_heartbeat_answered_late_is_dated_from_its_answer_while_its_agents_link_is_open(monkeypatch, link):
+    """An agent whose heartbeat waits in the queue (15 s for a first heartbeat at 4,096 agents started together)
+    is heard until its answer, as `answering` says: dated from its arrival, that wait read as silence and failed
+    the cluster's creation. A killed agent's (its link closed) is still dated from its arrival."""
+    import json as jsonlib
+    from types import SimpleNamespace
+
+    from phalanx.control.server import heartbeat_route
+    from phalanx.control.state.store import NodeState
+    from phalanx.protocol import PROTOCOL_VERSION
+
+    dated = []
+
+    def answer(store, jobs, deep, cid, node, hb, now, poke):  # (as `answer_heartbeat`: under the store's lock)
+        with store.lock:
+            dated.append((now, time.time()))
+        return {"action": "run"}
+
+    monkeypatch.setattr(heartbeat_route, "answer_heartbeat", answer)
+    links = AgentLinks()
+    links.opened("n1", "host:42")
+    node = SimpleNamespace(state=NodeState.HEALTHY, handle="host:42")
+    store_lock = threading.RLock()
+    ctl = SimpleNamespace(jobs=None, store=SimpleNamespace(lock=store_lock, node=lambda name: node), links=links,
+                          deep_checks=None, started_at=0.0)
+    route = heartbeat_route.HeartbeatRoute(None, ctl)
+    body = jsonlib.dumps({"protocol": PROTOCOL_VERSION, "handle": "host:42", "phase": "ready",
+                          "sent_at": time.time()}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        pass
+
+    held = threading.Event()
+
+    def tick():  # a reconciler tick holding the store's lock for 0.3 s; the agent killed meanwhile, or not
+        with store_lock:
+            held.set()
+            time.sleep(0.1)
+            if link == "closed":
+                links.closed("n1", "host:42", time.time())
+            time.sleep(0.2)
+
+    ticking = threading.Thread(target=tick)
+    ticking.start()
+    held.wait(5)
+    arrived = time.time()
+    asyncio.run(route({"type": "http", "method": "POST", "path": "/v1/nodes/n1/heartbeat"}, receive, send))
+    ticking.join()
+    ((when, answered_at),) = dated
+    assert answered_at - arrived > 0.25, "answered after the lock was let go"
+    if link == "open":
+        assert when >= answered_at - 0.05, f"dated at its answer: {when - arrived:.3f} s after its arrival"
+    else:
+        assert when - arrived < 0.05, f"its link closed: dated from its arrival, not {when - arrived:.3f} s later"
+
+
 def test_the_flush_lets_the_heartbeats_queued_for_the_stores_lock_in_between_its_transactions(tmp_path, monkeypatch):
     """A flush writes FLUSH_ROWS nodes per transaction under the store's lock; heartbeats that found it taken wait on
     the route's one thread (`heartbeat_route.LockQueue`). A lock is not fair: taken back 1 ms after it was let go, it

@@ -19,7 +19,7 @@ import json
 import time
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Callable, TypeVar
 
 from pydantic import ValidationError
@@ -126,7 +126,7 @@ class HeartbeatRoute:
             return
         try:
             hb = self._parse(await self._body(receive))
-            arrived = time.time()  # its node's last_heartbeat: an answer that waited is not a later sign of life
+            arrived = time.time()  # its node's last_heartbeat if its link has closed by its answer (`_answer`)
             try:
                 check_version(hb.protocol, f"the agent of node {name}")
             except ProtocolMismatch as err:
@@ -180,6 +180,12 @@ class HeartbeatRoute:
                                 for e in err.errors(include_url=False, include_input=False)]) from None
 
     def _answer(self, name: str, hb: Heartbeat, arrived: float) -> dict:
+        with ExitStack() as held:  # the locks its answer takes, first: its agent waited for them (`heard_at`)
+            for lock in self.locks:
+                held.enter_context(lock)
+            return self._answer_held(name, hb, arrived)
+
+    def _answer_held(self, name: str, hb: Heartbeat, arrived: float) -> dict:
         node = self.store.node(name)
         if node is None:
             raise Refused(404, f"no node named {name!r}")
@@ -188,7 +194,8 @@ class HeartbeatRoute:
         if node.handle is not None and hb.handle != node.handle:
             raise Refused(410, f"node {name} is run by the agent with handle {node.handle}, not {hb.handle}")
         ctl = self.ctl
-        # (arrived, not now: a killed agent's last heartbeat answered after its link's close was read must not
-        # date from after it, or `AgentLinks.lost` leaves the node to the heartbeat timeout)
-        return answer_heartbeat(self.store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, arrived,
+        # (not now if its link has closed: a killed agent's last heartbeat answered after its link's close was read
+        # must not date from after it, or `AgentLinks.lost` leaves the node to the heartbeat timeout)
+        heard = self.links.heard_at(name, hb.handle, arrived) if self.links is not None else arrived
+        return answer_heartbeat(self.store, ctl.jobs, ctl.deep_checks, ctl.started_at, node, hb, heard,
                                 getattr(ctl, "poke", None))
