@@ -10,6 +10,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -142,6 +143,34 @@ def test_teardown_stops_every_running_node_and_sweep_finds_nothing_left(cluster)
     assert all(cluster.backend.gone(n) for n in nodes)
     assert cluster.backend.sweep(cluster.store.nodes()) == []
     assert cluster.backend.teardown(nodes, grace_s=3.0) == 0
+
+
+def test_sweep_ends_what_a_dead_local_agent_left_in_its_session(tmp_path):
+    """A process of a node whose agent died (a standby its template forked as the agent was killed) is still in the
+    agent's session: `sweep` ends it, and leaves alone a session whose leader's pid another process holds."""
+    from phalanx.control.backends.local import session_members
+
+    cluster = Cluster(tmp_path, "local")
+    leader = subprocess.run(  # a session leader that leaves a child in its session and exits: a dead agent's
+        [sys.executable, "-c", "import os, subprocess, sys; os.setsid(); "
+         "d = subprocess.DEVNULL; print(subprocess.Popen(['sleep', '60'], stdin=d, stdout=d, stderr=d).pid)"],
+        capture_output=True, text=True, check=True)
+    orphan = int(leader.stdout)
+    with open(f"/proc/{orphan}/stat") as f:
+        sid = int(f.read().rsplit(")", 1)[1].split()[3])  # the dead leader's pid
+    stranger = subprocess.Popen(["sleep", "60"])  # alive, not an agent, leading no session of its own
+    try:
+        assert sid != orphan and session_members(sid) == [orphan]
+        for handle in (sid, stranger.pid):
+            node = cluster.store.add_node("workers", is_spare=False, work_root=cluster.backend.work_root(), reason="t")
+            cluster.store.update_node(node.name, handle=str(handle))
+        assert cluster.backend.sweep(cluster.store.nodes()) == [orphan]
+        wait_for(lambda: not session_members(sid), 5, "the orphan to end")
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+        cluster.close()
 
 
 def test_local_agents_are_forked_from_one_host_template_and_each_node_is_its_own_session(tmp_path):

@@ -252,12 +252,16 @@ class LocalBackend:
         """SIGKILL every process of the node (the agent's session). Returns the pids signalled."""
         if not node.handle:
             return []
-        members = session_members(_pid(node))  # the agent, its lifecycle script, its workers
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # exited between the scan and the signal: the goal is reached
+        members: list[int] = []
+        # the agent, its lifecycle script, its workers; scanned again until no new one shows: a worker its template
+        # forked after the scan (a standby being made) was left running in the session, parentless
+        while fresh := [p for p in session_members(_pid(node)) if p not in members]:
+            for pid in fresh:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # exited between the scan and the signal: the goal is reached
+            members += fresh
         child = self._children.get(node.name)
         if child is not None:
             child.wait()
@@ -296,7 +300,10 @@ class LocalBackend:
     def sweep(self, nodes: list[Node]) -> list[int]:
         victims: set[int] = set()
         for n in nodes:
-            if n.handle and process_running(_pid(n), self._marker(n)):
+            # the node's session while its agent runs, and once its agent is dead (a zombie, or its pid free): what is
+            # left in it then is that agent's (a pid taken again by another process leads a session of its own)
+            stat = _proc_stat(_pid(n)) if n.handle else None
+            if n.handle and (stat is None or stat[0] == "Z" or process_running(_pid(n), self._marker(n))):
                 victims.update(session_members(_pid(n)))
         ours = (CONTROLLER_MODULE, AGENT_MODULE, f"{TEMPLATE_MODULE} --for-host")
         victims.update(p for p in processes_mentioning(str(self.paths.root)) if any(m in cmdline(p) for m in ours))
