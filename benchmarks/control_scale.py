@@ -399,6 +399,23 @@ async def controller_api(cluster: str) -> tuple[str, int, str, int]:
     return host, port, token, ep["pid"]
 
 
+async def keep_niced(pid: int, nice: int) -> None:
+    """Every thread of process `pid` at `nice` (a negative one needs root), the threads it starts later too: the
+    controller given the cores first, as on a host of its own, while the simulated agents take what it leaves."""
+    while True:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, int(tid)) != nice:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except ProcessLookupError:
+                pass  # (a thread that ended meanwhile)
+        await asyncio.sleep(1.0)
+
+
 def pokes(url: str, token: str) -> float:
     """The controller's count of pokes sent down agents' links (/metrics)."""
     for line in http_get(f"{url}/metrics", token)[1].decode().splitlines():
@@ -409,7 +426,7 @@ def pokes(url: str, token: str) -> float:
 
 async def measure(n: int, window: float, root: Path, interval: float | None = None,
                   timeline: Path | None = None, processes: int = 1, agents_loop: str = "uvloop",
-                  bring_up: str = "waves") -> dict:
+                  bring_up: str = "waves", controller_nice: int = 0) -> dict:
     os.environ["PHALANX_HOME"] = str(root / f"home-{n}")
     from phalanx.control.client.cluster import ClusterClient, create_cluster, delete_cluster
     from phalanx.control.spec import spec_from_dict
@@ -430,6 +447,7 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     creator = threading.Thread(target=create, daemon=True)
     creator.start()
     host, port, token, pid = await controller_api(spec.name)
+    niced = asyncio.create_task(keep_niced(pid, controller_nice)) if controller_nice else None
     url = f"http://{host}:{port}"
     loop = asyncio.get_running_loop()
     from agent_processes import AgentProcesses, split
@@ -584,6 +602,8 @@ async def measure(n: int, window: float, root: Path, interval: float | None = No
     killed.die()
     detect_gone = await faulty_after(killed, died_at)
 
+    if niced is not None:
+        niced.cancel()
     await loop.run_in_executor(None, lambda: delete_cluster(spec.name, timeout_s=120))
     for a in agents:
         a.stopped = True
@@ -644,6 +664,9 @@ def main() -> None:
     parser.add_argument("--bring-up", choices=("waves", "together"), default="waves",
                         help="waves (default): the agent processes start one after another, each once the agents "
                         "before it are healthy; together: all at once, as one `srun` step starts a cluster's agents")
+    parser.add_argument("--controller-nice", type=int, default=0, help="the controller's threads at this nice "
+                        "value (default 0, as every result before 2026-12-02; -10: the controller takes the cores "
+                        "first, as on a host of its own, the simulated agents what it leaves; root)")
     parser.add_argument("--timeline", type=Path, help="write each heartbeat of the idle and busy windows (sent at, "
                         "seconds from the busy window's start; answered after, seconds) to TIMELINE_<N>.json")
     args = parser.parse_args()
@@ -657,8 +680,10 @@ def main() -> None:
                 run = uvloop.run if args.agents_loop == "uvloop" else asyncio.run
                 rows.append({**run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline,
                                            processes=max(1, min(args.agent_processes, n)),
-                                           agents_loop=args.agents_loop, bring_up=args.bring_up)),
-                             "agents_loop": args.agents_loop, "bring_up": args.bring_up})
+                                           agents_loop=args.agents_loop, bring_up=args.bring_up,
+                                           controller_nice=args.controller_nice)),
+                             "agents_loop": args.agents_loop, "bring_up": args.bring_up,
+                             "controller_nice": args.controller_nice})
             except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
                 reason = str(err).splitlines()[0][:300]
                 print(f"N={n}: failed: {reason}", flush=True)
@@ -694,7 +719,9 @@ def main() -> None:
                                             f" --heartbeat-interval {args.heartbeat_interval}"
                                             if args.heartbeat_interval else "")
                                         + f" --agent-processes {args.agent_processes}"
-                                        + (" --bring-up together" if args.bring_up == "together" else "")})
+                                        + (" --bring-up together" if args.bring_up == "together" else "")
+                                        + (f" --controller-nice {args.controller_nice}" if args.controller_nice
+                                           else "")})
 
 
 if __name__ == "__main__":
