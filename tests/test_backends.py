@@ -148,7 +148,7 @@ def test_teardown_stops_every_running_node_and_sweep_finds_nothing_left(cluster)
 def test_sweep_ends_what_a_dead_local_agent_left_in_its_session(tmp_path):
     """A process of a node whose agent died (a standby its template forked as the agent was killed) is still in the
     agent's session: `sweep` ends it, and leaves alone a session whose leader's pid another process holds."""
-    from phalanx.control.backends.local import session_members
+    from phalanx.control.backends.local import _proc_stat, session_members
 
     cluster = Cluster(tmp_path, "local")
     leader = subprocess.run(  # a session leader that leaves a child in its session and exits: a dead agent's
@@ -156,8 +156,7 @@ def test_sweep_ends_what_a_dead_local_agent_left_in_its_session(tmp_path):
          "d = subprocess.DEVNULL; print(subprocess.Popen(['sleep', '60'], stdin=d, stdout=d, stderr=d).pid)"],
         capture_output=True, text=True, check=True)
     orphan = int(leader.stdout)
-    with open(f"/proc/{orphan}/stat") as f:
-        sid = int(f.read().rsplit(")", 1)[1].split()[3])  # the dead leader's pid
+    sid = _proc_stat(orphan)[2]  # the dead leader's pid
     stranger = subprocess.Popen(["sleep", "60"])  # alive, not an agent, leading no session of its own
     try:
         assert sid != orphan and session_members(sid) == [orphan]
