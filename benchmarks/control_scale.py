@@ -31,6 +31,8 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
                and keeps its connections (a frozen host)
   detect_gone  an agent killed (its connections closed, as a killed process's kernel does) → its node faulty: its
                link's close tells the controller (`health.link_grace_s`, 0.5 s), not the timeout
+  calibration  this machine's speed just before each N: a fixed pure-Python loop, the fastest of 5, ms (this VM's
+               speed varies about 2x from day to day: the same tree's figures compare only beside a like calibration)
 
 Writes benchmarks/results/control_scale.json (summary per N: ready_s, hb_p50_ms, hb_p99_ms, hb_rate_ratio,
 cpu_cores, agents_cpu_cores, agents_lag_p99_ms, busy_agents_lag_p99_ms, scrape_ms, schedule_s, busy_hb_p50_ms, busy_hb_p99_ms, busy_cpu_cores, stop_s,
@@ -340,6 +342,18 @@ async def sample_lag(bench: Bench) -> None:
         await asyncio.sleep(0.01)
         if bench.recording:
             bench.lags.append(max(0.0, loop.time() - start - 0.01))
+
+
+def calibration_ms(runs: int = 5) -> float:
+    """A fixed pure-Python workload (one core, no allocation to speak of), the fastest of `runs`, in ms."""
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i * i % 7
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 1)
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
@@ -678,12 +692,13 @@ def main() -> None:
             try:
                 timeline = args.timeline.with_name(f"{args.timeline.stem}_{n}.json") if args.timeline else None
                 run = uvloop.run if args.agents_loop == "uvloop" else asyncio.run
+                calibration = calibration_ms()
                 rows.append({**run(measure(n, args.window, Path(tmp), args.heartbeat_interval, timeline,
                                            processes=max(1, min(args.agent_processes, n)),
                                            agents_loop=args.agents_loop, bring_up=args.bring_up,
                                            controller_nice=args.controller_nice)),
                              "agents_loop": args.agents_loop, "bring_up": args.bring_up,
-                             "controller_nice": args.controller_nice})
+                             "controller_nice": args.controller_nice, "calibration_ms": calibration})
             except Exception as err:  # noqa: BLE001 - recorded: how the controller fails at this N is the figure
                 reason = str(err).splitlines()[0][:300]
                 print(f"N={n}: failed: {reason}", flush=True)
@@ -712,7 +727,7 @@ def main() -> None:
         "ready_s", "hb_p50_ms", "hb_p99_ms", "hb_rate_ratio", "cpu_cores", "agents_cpu_cores", "agents_lag_p99_ms",
         "busy_agents_lag_p99_ms", "scrape_ms",
         "schedule_s", "busy_hb_p50_ms", "busy_hb_p99_ms", "busy_cpu_cores", "stop_s", "detect_s", "detect_excess_s",
-        "detect_gone_s", "hb_failed", "busy_hb_failed", "hb_failed_total")}
+        "detect_gone_s", "hb_failed", "busy_hb_failed", "hb_failed_total", "calibration_ms")}
     write_results(args.out, {"benchmark": "control_scale", "runs": rows, "summary": summary,
                              "command": "PYTHONPATH=src .venv/bin/python benchmarks/control_scale.py --nodes "
                                         + " ".join(map(str, args.nodes)) + (

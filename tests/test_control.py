@@ -639,7 +639,7 @@ def test_a_cluster_that_would_flood_one_controller_with_heartbeats_is_warned_abo
             "heartbeat_interval_s": interval, "heartbeat_timeout_s": 6 * interval},
             "instance_groups": [{"name": "workers", "instance_type": "local.cpu-1", "count": count, "spares": 4}]})
 
-    assert heartbeat_load_warning(spec(1020, 0.5)) is None  # 2,048 a second: what one controller answered in full
-    warning = heartbeat_load_warning(spec(4092, 0.5))
-    assert "8,192 heartbeats a second" in warning and "raise health.heartbeat_interval_s to 2 or more" in warning
-    assert heartbeat_load_warning(spec(4092, 2.0)) is None
+    assert heartbeat_load_warning(spec(4092, 0.5)) is None  # 8,192 a second: what one controller answered in full
+    warning = heartbeat_load_warning(spec(16380, 0.5))
+    assert "32,768 heartbeats a second" in warning and "raise health.heartbeat_interval_s to 2 or more" in warning
+    assert heartbeat_load_warning(spec(16380, 2.0)) is None
