@@ -33,7 +33,6 @@ from phalanx.control.state.node_rows import (  # noqa: F401 - the rows' types, i
 from phalanx.control.state.schema import JOIN_MINE, JOIN_WAITING, SCHEMA, migrate
 from phalanx.observability.events import EventKind
 
-
 OBSERVED = frozenset({"last_heartbeat", "acked_at", "health", "report"})  # what a heartbeat reports, batched
 NO_NEWS = OBSERVED | {"handle", "job"}  # columns no heartbeat reply depends on: a write of them pokes no agent
 FLUSH_S = 1.0  # the reconciler writes the batched observations at most this often (and FLUSH_RATE rows a second)...
@@ -281,6 +280,9 @@ class Store(EventRecords):
         with self._lock:
             touched, self._touched = self._touched, set()
         return touched
+
+    def node_map(self) -> dict[str, Node]:  # name → row, read under `lock`: the owner's view itself (never changed)
+        return self._cached() if self._owner else {n.name: n for n in self.nodes()}
 
     def observe_beats(self, beats: dict[str, float]) -> None:
         """`observe_node(name, last_heartbeat=at)` for many nodes under one lock (the agents' beats, folded at a tick:
