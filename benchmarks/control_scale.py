@@ -31,8 +31,9 @@ workers, address, free ports), and each holds its link open (`GET /v1/nodes/{nam
                and keeps its connections (a frozen host)
   detect_gone  an agent killed (its connections closed, as a killed process's kernel does) → its node faulty: its
                link's close tells the controller (`health.link_grace_s`, 0.5 s), not the timeout
-  calibration  this machine's speed just before each N: a fixed pure-Python loop, the fastest of 5, ms (this VM's
-               speed varies about 2x from day to day: the same tree's figures compare only beside a like calibration)
+  calibration  one core's speed just before each N: a fixed pure-Python loop, the fastest of 5, ms. It tells a slow
+               core, not a crowded host: on 2026-12-02 it stayed at 41-47 ms while the busy p99 rose from 40-45 to
+               47-63 ms; the controller's CPU for the same work (cpu) is the better witness of that
 
 Writes benchmarks/results/control_scale.json (summary per N: ready_s, hb_p50_ms, hb_p99_ms, hb_rate_ratio,
 cpu_cores, agents_cpu_cores, agents_lag_p99_ms, busy_agents_lag_p99_ms, scrape_ms, schedule_s, busy_hb_p50_ms, busy_hb_p99_ms, busy_cpu_cores, stop_s,
