@@ -190,7 +190,9 @@ def test_local_agents_are_forked_from_one_host_template_and_each_node_is_its_own
         templates = {}
         for node in nodes:
             agent = int(node.handle)
-            assert parent(agent) == host and "node_agent --config" in cmdline(agent)
+            assert parent(agent) == host
+            # (the fork is reported as it happens; the child names itself in `ps` a moment later)
+            wait_for(lambda: "node_agent --config" in cmdline(agent), 10, f"agent {agent} to take its own command line")
             # (not its own children: the template tries SCHED_IDLE in a throwaway fork of itself as it starts)
             template = wait_for(lambda: [p for p in session_members(agent) if parent(p) == agent
                                          and f"phalanx.zygote --for-node {node.name}" in cmdline(p)], 10,
