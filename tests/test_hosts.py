@@ -9,7 +9,8 @@ End to end, with real processes: a checkpointless job survives a killed host (th
 state from the other replica's memory, the same loss at every step as a run without faults); a restart job
 survives a host cut off the network (`ip link set down`): it resumes from the checkpoint on the spare, and
 once the link is back the cut host's agent learns its node was replaced and exits; a checkpointless job
-survives a frozen host (every process SIGSTOPped). Bad joins get one clear error each.
+survives a frozen host (every process SIGSTOPped). A command job's rank logs reach the controller from the hosts.
+Bad joins get one clear error each.
 
 Needs root for the namespaces (CI runs as root); skipped, saying so, only where namespaces cannot be made.
 """
@@ -198,6 +199,26 @@ def test_a_checkpointless_job_survives_a_frozen_host(tmp_path, hosts, demo_data,
     assert_same_losses(run_dir, reference, "frozen host")
     node = next(n for n in client.nodes() if n["name"] == victim)
     assert node["fault_cause"] == "heartbeat-timeout", node
+
+
+def test_a_command_jobs_rank_logs_reach_the_controller_from_the_hosts(tmp_path, hosts):
+    """A command job's dir is in the controller's cluster directory, which the hosts do not see (an empty tmpfs
+    there): each host's agent writes its rank's log on its node and ships it; `job logs -f` on the controller's
+    side reads every rank's output and exit line, and ends with the job."""
+    start_cluster(hosts, tmp_path, members=2, spares=0, warm_standby=False)
+    jobs = JobClient("c1")
+    say = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'says hello', flush=True)"
+    jobs.submit(command=[PY, "-c", say], nodes=2, name="hello", cwd=tmp_path)
+    lines: list[str] = []
+    info = jobs.follow("hello", write=lines.append)
+
+    assert info["state"] == "succeeded", info["reason"]
+    assert info["log_dir"].startswith(os.environ["PHALANX_HOME"]), info["log_dir"]  # the controller's, not shared
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} of 2 says hello" in lines, lines
+        assert f"[rank {rank}] === phalanx: rank {rank} exited with code 0 ===" in lines, lines
+    hosts_logs = sorted((tmp_path / "hosts").rglob("job-logs/*/rank*.log"))
+    assert len(hosts_logs) == 2, hosts_logs  # written on each host, in its node's work dir
 
 
 def test_a_bad_join_gets_one_clear_error(tmp_path, hosts):

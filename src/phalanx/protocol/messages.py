@@ -32,6 +32,8 @@ LINK_BEAT, LINK_POKE = b".", b"!"
 # beat does not is its free ports (`join.free_ports`), and a reply that a lost poke would have brought sooner.
 # Nothing else depends on it since protocol 6: the hang rule reads its workers' progress on the node.
 FULL_HEARTBEAT_MAX_S = 20.0
+# The most of a rank's log one `LogChunk` carries (before base64).
+LOG_CHUNK_BYTES = 256 * 1024
 
 
 class _Message(BaseModel):
@@ -122,7 +124,10 @@ class Assignment(_Message):
     argv: list[str] | None = None
     cwd: str | None = None
     env: dict[str, str] = {}
-    log_dir: str | None = None
+    log_dir: str | None = None  # the controller's, where `job logs` reads
+    # the node does not see log_dir (a host without the controller's files): the agent writes each rank's log in
+    # its own work dir and ships it to the controller (`POST /v1/jobs/{job}/logs/{rank}`, `LogChunk`)
+    ship_log: bool = False
     world_size: int | None = None
     local_world_size: int | None = None
     master_addr: str | None = None
@@ -130,6 +135,18 @@ class Assignment(_Message):
     store_addr: str | None = None
     checkpoint_dir: str | None = None
     config_path: str | None = None
+
+
+class LogChunk(_Message):
+    """Agent → controller: bytes of one rank's log, from `offset` in the log the agent writes on its node."""
+
+    node: str
+    offset: int = Field(ge=0)
+    data: str = Field(max_length=LOG_CHUNK_BYTES * 4 // 3 + 4)  # base64
+
+
+class LogReceived(_Message):
+    received: int  # how much of the node's log the controller holds (an agent resumes from there)
 
 
 class DeepCheckPart(_Message):

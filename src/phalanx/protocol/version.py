@@ -7,11 +7,12 @@ Bump it when a message, env variable or store key changes meaning (adding an opt
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 6  # 2: a heartbeat names its node by an opaque `handle`, no longer by `pid`; 3: agents join
+PROTOCOL_VERSION = 7  # 2: a heartbeat names its node by an opaque `handle`, no longer by `pid`; 3: agents join
 # from other hosts (`JoinRequest`) and report their address, interface and free ports; 4: a heartbeat reply may
 # ask for the next heartbeat sooner (`next_heartbeat_s`); 5: the link carries the agent's beats up and the
 # controller's pokes down, and an agent sends a full heartbeat only on news (`messages.LINK_POKE`); 6: replies no
-# longer relay progress: each worker writes it for its agent on the node (`PHALANX_PROGRESS_FILE`)
+# longer relay progress: each worker writes it for its agent on the node (`PHALANX_PROGRESS_FILE`); 7: an
+# assignment may ask its agent to ship the rank logs to the controller (`ship_log`: a host without its files)
 PROTOCOL_ENV = "PHALANX_PROTOCOL"
 
 

@@ -110,7 +110,8 @@ class Agent:
         self.template = WorkerTemplate(self.name, self.work_dir, fork_now=True) \
             if cfg.get("worker_template", True) else None
         self.workers = WorkerSupervisor(self.name, self.token, float(cfg["hang_timeout_s"]), wake=self.wake.set,
-                                        work_dir=self.work_dir, store_addr=self.store_addr, template=self.template)
+                                        work_dir=self.work_dir, store_addr=self.store_addr, template=self.template,
+                                        controller_url=self.endpoint_url)
         self.reply_sent_at: float | None = None  # `sent_at` of the last reply acted on (echoed back)
         self.next_heartbeat_s: float | None = None  # the last reply's request to come back sooner
         self.unheard = True  # the last heartbeat got no reply: the next is full (the controller may have missed news)

@@ -7,8 +7,9 @@ validated by the agent when the reply arrives.
 
 Workers are started with `protocol.worker_env`, each in a process group of its own (a stop reaches its
 children) inside the node's session (killing the node kills them too). Output goes to LOG_DIR/rank{R}.log,
-appended across generations, with a header and a footer line per run. A worker the controller stops gets
-SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
+appended across generations, with a header and a footer line per run; where the node does not see LOG_DIR (an
+assignment's `ship_log`), to the node's `job-logs/<job>/rank{R}.log`, shipped to the controller (`log_ship.py`).
+A worker the controller stops gets SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
 
 Hang detection is `hang.py`'s rule, on the progress each worker writes for its agent in this node's progress dir
 (`PHALANX_PROGRESS_FILE`, one file per process started, `protocol.read_local`), read at every `poll`; warm
@@ -36,6 +37,7 @@ from typing import Callable
 from phalanx import protocol
 from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.hang import judge_hang
+from phalanx.control.agent.log_ship import LogShipper
 from phalanx.control.agent.slurm_allocation import ignoring_usr2
 from phalanx.control.agent.standby import Standby, StandbyPool
 from phalanx.control.agent.template import WAIT_S, TemplateUnavailable, WorkerTemplate, forkable, on_this_host
@@ -50,8 +52,10 @@ log = logging.getLogger("phalanx.agent.workers")
 class WorkerSupervisor(StandbyPool):
     def __init__(self, node: str, token: str, hang_timeout_s: float, *, wake: Callable[[], None],
                  work_dir: Path | None = None, store_addr: Callable[[], str | None] = lambda: None,
-                 template: WorkerTemplate | None = None):
+                 template: WorkerTemplate | None = None, controller_url: Callable[[], str | None] | None = None):
         self.node = node
+        # (the rank logs of assignments that ask for it, shipped to the controller at `controller_url()`)
+        self.shipper = LogShipper(node, token, controller_url) if controller_url is not None else None
         self.template = template  # the node's worker template (workers forked, torch already imported), if any
         self.token = token
         self.hang_timeout_s = hang_timeout_s
@@ -147,9 +151,13 @@ class WorkerSupervisor(StandbyPool):
             cluster_token=self.token, config_path=a.config_path, node=self.node, recovery=a.recovery or "restart",
         )
         env = protocol.worker_env(placement, base={**os.environ, **a.env})
+        ship = a.ship_log and self.shipper is not None and self.work_dir is not None
+        log_dir = self.work_dir / "job-logs" / a.job if ship else Path(a.log_dir)
         w = Worker(a.job, a.generation, rank, local_rank, pid=None, started_at=time.time(),
-                   log_path=Path(a.log_dir) / f"rank{rank}.log", last_change=time.monotonic(),
-                   progress_file=self.progress_dir / f"{a.job}.{a.generation}.{rank}")
+                   log_path=log_dir / f"rank{rank}.log", last_change=time.monotonic(),
+                   progress_file=self.progress_dir / f"{a.job}.{a.generation}.{rank}", ship_log=ship)
+        if ship:
+            self.shipper.watch(a.job, rank, w.log_path)
         env[protocol.PROGRESS_FILE] = str(w.progress_file)  # (named per process: a survivor keeps its own)
         argv = on_this_host(a.argv)
         if self.template is not None and forkable(argv) and self.template.importing():
@@ -228,7 +236,7 @@ class WorkerSupervisor(StandbyPool):
 
     # ---- watching (a thread of the agent, every ~0.1 s) -------------------------------------------------
     def poll(self) -> None:
-        now, exited = time.monotonic(), False
+        now, exited, shipped = time.monotonic(), False, []
         with self.lock:
             for w in self.workers.values():
                 if w.launch is not None:
@@ -236,7 +244,9 @@ class WorkerSupervisor(StandbyPool):
                 if w.proc is None or w.state == "exited":
                     continue
                 code = w.proc.poll()
-                if code is not None:
+                if code is not None and w.ship_log:
+                    shipped.append((w, code))  # (below, without the lock: its last lines go before its exit)
+                elif code is not None:
                     self._exited(w, code)
                     exited = True
                 elif w.state == "running" and not w.hang:
@@ -252,6 +262,13 @@ class WorkerSupervisor(StandbyPool):
                     and now - self._standbys_kept_at >= 1.0:
                 self._standbys_kept_at = now
                 self._keep_standbys(self._standbys_wanted, stop_extra=not self.held)
+        for w, code in shipped:  # its log's end reaches the controller before its exit, which ends a `job logs -f`
+            self._exit_line(w, code)
+            self.shipper.ship_now(w.job, w.rank)
+            with self.lock:
+                if w.state != "exited":  # (`stop_all` may have seen it meanwhile)
+                    self._exited(w, code, line_written=True)
+                    exited = True
         if exited:
             self.wake()
 
@@ -285,16 +302,21 @@ class WorkerSupervisor(StandbyPool):
         self.events.emit(EventKind.HANG, w.hang, job=w.job, node=self.node, generation=w.generation, rank=w.rank,
                          pid=w.pid, frozen=w.frozen)  # (a run file it cannot write is a warning, never raised)
 
-    def _exited(self, w: Worker, code: int) -> None:
-        w.state, w.exit_code, w.ended_at = "exited", code, time.time()
-        forget_progress(w.progress_file)
-        w.detail = describe_exit(code)
+    def _exit_line(self, w: Worker, code: int) -> None:
         try:
             with open(w.log_path, "ab") as out:
-                out.write(f"=== phalanx: rank {w.rank} {w.detail}{' (stopped by its agent)' if w.stopped else ''}"
+                out.write(f"=== phalanx: rank {w.rank} {describe_exit(code)}"
+                          f"{' (stopped by its agent)' if w.stopped else ''}"
                           f"{' (hung: ' + w.hang + ')' if w.hang else ''} ===\n".encode())
         except OSError as err:
             log.warning("could not append the exit line to %s: %s", w.log_path, err)
+
+    def _exited(self, w: Worker, code: int, *, line_written: bool = False) -> None:
+        w.state, w.exit_code, w.ended_at = "exited", code, time.time()
+        forget_progress(w.progress_file)
+        w.detail = describe_exit(code)
+        if not line_written:
+            self._exit_line(w, code)
         if w.stopped:
             log.info("worker rank %d of job %s generation %d stopped (%s)", w.rank, w.job, w.generation, w.detail)
         elif code != 0 and not w.hang:
@@ -350,5 +372,7 @@ class WorkerSupervisor(StandbyPool):
             with self.lock:
                 if w.state != "exited":  # (the watch thread may have seen it first)
                     self._exited(w, code)
+        if self.shipper is not None:
+            self.shipper.close()  # (the exit lines just written too)
         if self.template is not None:
             self.template.close()

@@ -56,6 +56,7 @@ class Worker:
     started_at: float
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    ship_log: bool = False  # its log is on this node only: shipped to the controller (`log_ship.py`)
     state: str = "running"  # running | stopping | exited
     exit_code: int | None = None
     detail: str | None = None

@@ -72,9 +72,9 @@ class Admission:
                                            "is unknown to Phalanx (use --auto-resume to rerun it on a fault)")
             auto_resume = True  # recovering in place is resuming; the checkpoint stays the fallback
         jobs_root = str(self.jobs_root)
-        if self.spec.backend in ("hosts", "slurm") and kind == "train":
-            # nodes on other hosts share only the checkpoint directory with the controller: the job's config and
-            # rank logs live beside its checkpoints, not in the controller's cluster directory
+        if self._nodes_elsewhere() and kind == "train":
+            # the job's config and rank logs live beside its checkpoints, not in the controller's cluster directory
+            # (a command job's stay there: its nodes' agents ship its rank logs, `Assignment.ship_log`)
             jobs_root = str(job_run_dir(cwd, checkpoint_dir) / ".phalanx" / self.spec.name)
         with self.lock:
             job = self.records.add_job(name=name, kind=kind, group=g.name, nodes=nodes,
@@ -87,6 +87,10 @@ class Admission:
             (Path(job.job_dir) / "config.json").write_text(json.dumps(config, indent=2))
         log.info("job %s (%s) submitted: %d nodes × %d workers", job.id, job.name, nodes, job.workers_per_node)
         return job
+
+    def _nodes_elsewhere(self) -> bool:
+        """Whether nodes run on other hosts, which share only the checkpoint directory with the controller."""
+        return self.spec.backend in ("hosts", "slurm")
 
     def _group(self, name: str | None):
         groups = self.spec.instance_groups

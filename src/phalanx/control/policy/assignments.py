@@ -103,6 +103,7 @@ class Assignments:
                 out.append(Assignment(
                     recovery=job.recovery, job=job.id, generation=gen.generation, argv=job.argv, cwd=job.cwd,
                     env=self._worker_env(job), log_dir=str(Path(job.job_dir) / "logs"), world_size=job.world_size,
+                    ship_log=self._nodes_elsewhere() and job.kind != "train",  # (its job dir is the controller's)
                     local_world_size=per, master_addr=gen.master_addr, master_port=gen.master_port,
                     store_addr=gen.store_addr or "", checkpoint_dir=job.checkpoint_dir,
                     config_path=str(Path(job.job_dir) / "config.json") if job.kind == "train" else None,

@@ -17,6 +17,8 @@ anything else gets 401.
     GET    /v1/jobs                     every job (like squeue)
     GET    /v1/jobs/{id}                describe: state, reason, generations, workers, events
     POST   /v1/jobs/{id}/cancel         cancel: its workers are stopped
+    POST   /v1/jobs/{id}/logs/{rank}    agent → controller: a chunk of a rank's log (`LogChunk`), from a host that
+                                        does not see the controller's files (rank_logs.py)
     POST   /v1/controller/stop          stop the controller only (nodes keep running)
     DELETE /v1/cluster                  stop every node, then the controller
     GET    /metrics                     Prometheus text format (server/metrics.py; docs/observability.md)
@@ -29,6 +31,8 @@ about processes beyond the backend's fault methods.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import signal
 from typing import Literal
@@ -42,8 +46,9 @@ from phalanx.control.server.dashboard import PUBLIC_PATHS, add_dashboard_routes
 from phalanx.control.server.heartbeat_route import HeartbeatRoute
 from phalanx.control.server.job_runs import JobRuns
 from phalanx.control.server.metrics import ClusterCollector
+from phalanx.control.server.rank_logs import RankLogs
 from phalanx.protocol import ProtocolMismatch, check_version
-from phalanx.protocol.messages import JoinReply, JoinRequest
+from phalanx.protocol.messages import JoinReply, JoinRequest, LogChunk, LogReceived
 from phalanx.control.spec import agent_settings
 from phalanx.control.policy.admission import JobRequestError
 from phalanx.control.state.describe import describe
@@ -287,6 +292,27 @@ def build_app(ctl):
             return ctl.jobs.cancel(key).public()
         except JobRequestError as err:
             raise HTTPException(err.status, str(err)) from None
+
+    rank_logs = RankLogs()
+
+    @app.post("/v1/jobs/{key}/logs/{rank}")
+    def ship_log(key: str, rank: int, chunk: LogChunk) -> dict:
+        try:
+            job = ctl.jobs.find(key)
+        except JobRequestError as err:
+            raise HTTPException(err.status, str(err)) from None
+        if not 0 <= rank < job.world_size:
+            raise HTTPException(422, f"rank: job {job.id} has ranks 0-{job.world_size - 1}, not {rank}")
+        node_or_404(chunk.node)
+        try:
+            data = base64.b64decode(chunk.data, validate=True)
+        except binascii.Error as err:
+            raise HTTPException(422, f"data: not base64 ({err})") from None
+        try:
+            held = rank_logs.append(job.job_dir, job.id, rank, chunk.node, chunk.offset, data)
+        except OSError as err:
+            raise HTTPException(507, f"cannot write job {job.id}'s logs in {job.job_dir}: {err}") from None
+        return LogReceived(received=held).model_dump()
 
     @app.post("/v1/jobs/{key}/scale", status_code=202)
     def scale_job(key: str, req: ScaleJobRequest) -> dict:
