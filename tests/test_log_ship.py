@@ -192,3 +192,20 @@ def test_a_job_the_controller_does_not_know_is_no_longer_shipped(tmp_path):
     log.write_text("a line\nanother\n")
     assert shipper.ship_all() and calls == ["gone"]
     shipper.close()
+
+
+def test_a_refusal_of_another_kind_is_said_once_and_the_log_sent_once_it_passes(tmp_path, caplog):
+    ctl, answers = Controller(tmp_path / "job"), [ApiError(507, "disk full"), ApiError(507, "disk full")]
+
+    def post(job, rank, chunk):
+        if answers:
+            raise answers.pop()
+        return ctl.post(job, rank, chunk)
+    log = tmp_path / "r.log"
+    shipper = LogShipper("n1", "token", lambda: None, post=post)
+    shipper.watch("j", 0, log)
+    log.write_text("a line\n")
+    assert not shipper.ship_all() and not shipper.ship_all()
+    assert shipper.ship_all() and ctl.text() == "a line\n"
+    assert sum("shipping its log failed" in r.message for r in caplog.records) == 1
+    shipper.close()

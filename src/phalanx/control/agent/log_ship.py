@@ -40,6 +40,7 @@ class _Log:
     offset: int  # what the controller holds of it
     changed_at: float  # monotonic
     held_at_size: int = -1  # the file's size when an unfinished line was last held back
+    refused: bool = False  # the controller's last answer was an error (said once, not every round)
 
 
 class LogShipper:
@@ -143,12 +144,14 @@ class LogShipper:
                         self._logs.pop((entry.job, entry.rank), None)
                     entry.offset = size
                     return True
-                log.warning("rank %d of job %s: shipping its log failed (%s); next: again in %g s", entry.rank,
-                            entry.job, err, SHIP_EVERY_S)
+                if not entry.refused:
+                    log.warning("rank %d of job %s: shipping its log failed (%s); next: again every %g s",
+                                entry.rank, entry.job, err, SHIP_EVERY_S)
+                entry.refused = True
                 return False
             if self._down:
                 log.info("shipping rank logs to the controller again")
-            self._down = False
+            self._down = entry.refused = False
             moved = received != entry.offset
             entry.offset, entry.changed_at = received, time.monotonic()
             if not moved or time.monotonic() > deadline:
