@@ -267,7 +267,7 @@ class WorkerSupervisor(StandbyPool):
             self.shipper.ship_now(w.job, w.rank)
             with self.lock:
                 if w.state != "exited":  # (`stop_all` may have seen it meanwhile)
-                    self._exited(w, code, line_written=True)
+                    self._exited(w, code)
                     exited = True
         if exited:
             self.wake()
@@ -303,6 +303,9 @@ class WorkerSupervisor(StandbyPool):
                          pid=w.pid, frozen=w.frozen)  # (a run file it cannot write is a warning, never raised)
 
     def _exit_line(self, w: Worker, code: int) -> None:
+        if w.exit_logged:  # (once: `poll` writes it before shipping, `stop_all` may meet the same exit)
+            return
+        w.exit_logged = True
         try:
             with open(w.log_path, "ab") as out:
                 out.write(f"=== phalanx: rank {w.rank} {describe_exit(code)}"
@@ -311,12 +314,11 @@ class WorkerSupervisor(StandbyPool):
         except OSError as err:
             log.warning("could not append the exit line to %s: %s", w.log_path, err)
 
-    def _exited(self, w: Worker, code: int, *, line_written: bool = False) -> None:
+    def _exited(self, w: Worker, code: int) -> None:
         w.state, w.exit_code, w.ended_at = "exited", code, time.time()
         forget_progress(w.progress_file)
         w.detail = describe_exit(code)
-        if not line_written:
-            self._exit_line(w, code)
+        self._exit_line(w, code)
         if w.stopped:
             log.info("worker rank %d of job %s generation %d stopped (%s)", w.rank, w.job, w.generation, w.detail)
         elif code != 0 and not w.hang:

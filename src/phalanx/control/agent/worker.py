@@ -57,6 +57,7 @@ class Worker:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     ship_log: bool = False  # its log is on this node only: shipped to the controller (`log_ship.py`)
+    exit_logged: bool = False  # its exit line is in its log
     state: str = "running"  # running | stopping | exited
     exit_code: int | None = None
     detail: str | None = None
