@@ -306,13 +306,8 @@ class WorkerSupervisor(StandbyPool):
         if w.exit_logged:  # (once: `poll` writes it before shipping, `stop_all` may meet the same exit)
             return
         w.exit_logged = True
-        try:
-            with open(w.log_path, "ab") as out:
-                out.write(f"=== phalanx: rank {w.rank} {describe_exit(code)}"
-                          f"{' (stopped by its agent)' if w.stopped else ''}"
-                          f"{' (hung: ' + w.hang + ')' if w.hang else ''} ===\n".encode())
-        except OSError as err:
-            log.warning("could not append the exit line to %s: %s", w.log_path, err)
+        how = (" (stopped by its agent)" if w.stopped else "") + (f" (hung: {w.hang})" if w.hang else "")
+        self._log_line(w, f"=== phalanx: rank {w.rank} {describe_exit(code)}{how} ===")
 
     def _exited(self, w: Worker, code: int) -> None:
         w.state, w.exit_code, w.ended_at = "exited", code, time.time()
