@@ -11,7 +11,10 @@ network namespaces: tests/test_hosts.py."""
 from __future__ import annotations
 
 import base64
+import json
+import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -209,3 +212,60 @@ def test_a_refusal_of_another_kind_is_said_once_and_the_log_sent_once_it_passes(
     assert shipper.ship_all() and ctl.text() == "a line\n"
     assert sum("shipping its log failed" in r.message for r in caplog.records) == 1
     shipper.close()
+
+
+def test_a_node_keeps_the_logs_of_its_recent_jobs_and_a_job_that_comes_back_goes_on_where_the_controller_is(
+        tmp_path):
+    """`JobLogs.prune`: the dirs past the `keep_jobs` most recently written go, except a job still watched; their
+    sizes stay in shipped.json, from which a job back on the node goes on: the controller's log loses nothing."""
+    from phalanx.control.agent.log_ship import SHIPPED, JobLogs
+    ctls = {job: Controller(tmp_path / job) for job in ("j1", "j2", "j3")}
+    logs = JobLogs(tmp_path / "job-logs", keep_jobs=1)
+    shipper = LogShipper("n1", "token", lambda: None, post=lambda job, rank, chunk: ctls[job].post(job, rank, chunk))
+    for age, job in enumerate(("j3", "j2", "j1")):  # j1 the oldest
+        path = logs.path(job, 0)
+        shipper.watch(job, 0, path, base=logs.base(job, 0))
+        path.parent.mkdir(parents=True)
+        path.write_text(f"{job} generation 1\n")
+        os.utime(path, (time.time() - 100 * (age + 1),) * 2)
+    assert shipper.ship_all()
+    assert logs.prune(busy={"j1"}) == ["j2"]  # j3 the newest, j1 still watched
+    assert not (tmp_path / "job-logs" / "j2").exists() and logs.path("j1", 0).exists()
+    assert json.loads((tmp_path / "job-logs" / SHIPPED).read_text()) == {"j2": {"0": len("j2 generation 1\n")}}
+    assert logs.prune(busy={"j1"}) == []
+
+    # j2 comes back to this node (its log on the node forgotten by the shipper): it goes on from what was shipped
+    again = LogShipper("n1", "token", lambda: None, post=lambda job, rank, chunk: ctls[job].post(job, rank, chunk))
+    path = logs.path("j2", 0)
+    assert logs.base("j2", 0) == len("j2 generation 1\n")
+    again.watch("j2", 0, path, base=logs.base("j2", 0))
+    path.parent.mkdir()
+    path.write_text("j2 generation 5\n")
+    assert again.ship_all() and ctls["j2"].text() == "j2 generation 1\nj2 generation 5\n"
+    # ... and when it goes a second time, its sizes add up
+    os.utime(path, (time.time() - 1000,) * 2)
+    (tmp_path / "job-logs" / "j9").mkdir()
+    assert "j2" in logs.prune(busy=set())
+    assert logs.base("j2", 0) == 2 * len("j2 generation 1\n")
+    for s in (shipper, again):
+        s.close()
+
+
+def test_the_supervisor_removes_old_jobs_logs_when_a_new_job_starts_on_its_node(tmp_path, hosts_api):
+    from phalanx.control.agent.log_ship import KEEP_JOBS
+    c, job = hosts_api.cluster, hosts_api.job
+    node = c.jobs.records.generation(job.id, 1).nodes[1]
+    sent = Assignment.model_validate(c.agents[node].assigned[(job.id, 1)])
+    sent = sent.model_copy(update={"argv": [PY, "-c", "print('hi')"], "cwd": str(tmp_path)})
+    work = tmp_path / "node"
+    for i in range(KEEP_JOBS + 2):  # earlier jobs' logs, old-0 the oldest
+        log = work / "job-logs" / f"old-{i}" / "rank1.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(f"old job {i}\n")
+        os.utime(log, (time.time() - 1000 + i,) * 2)
+    sup = WorkerSupervisor(node, hosts_api.token, 60.0, wake=lambda: None, work_dir=work,
+                           controller_url=lambda: hosts_api.url)
+    sup.apply([sent])
+    left = {d.name for d in (work / "job-logs").iterdir() if d.is_dir()}
+    assert left == {job.id, *(f"old-{i}" for i in range(3, KEEP_JOBS + 2))}, left  # the new job's and 15 newest
+    sup.stop_all()

@@ -8,7 +8,8 @@ validated by the agent when the reply arrives.
 Workers are started with `protocol.worker_env`, each in a process group of its own (a stop reaches its
 children) inside the node's session (killing the node kills them too). Output goes to LOG_DIR/rank{R}.log,
 appended across generations, with a header and a footer line per run; where the node does not see LOG_DIR (an
-assignment's `ship_log`), to the node's `job-logs/<job>/rank{R}.log`, shipped to the controller (`log_ship.py`).
+assignment's `ship_log`), to the node's `job-logs/<job>/rank{R}.log`, shipped to the controller (`log_ship.py`;
+the node keeps its recent jobs' logs).
 A worker the controller stops gets SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after STOP_GRACE_S.
 
 Hang detection is `hang.py`'s rule, on the progress each worker writes for its agent in this node's progress dir
@@ -37,7 +38,7 @@ from typing import Callable
 from phalanx import protocol
 from phalanx.protocol.messages import Assignment, RankSlot
 from phalanx.control.agent.hang import judge_hang
-from phalanx.control.agent.log_ship import LogShipper
+from phalanx.control.agent.log_ship import JobLogs, LogShipper
 from phalanx.control.agent.slurm_allocation import ignoring_usr2
 from phalanx.control.agent.standby import Standby, StandbyPool
 from phalanx.control.agent.template import WAIT_S, TemplateUnavailable, WorkerTemplate, forkable, on_this_host
@@ -152,12 +153,19 @@ class WorkerSupervisor(StandbyPool):
         )
         env = protocol.worker_env(placement, base={**os.environ, **a.env})
         ship = a.ship_log and self.shipper is not None and self.work_dir is not None
-        log_dir = self.work_dir / "job-logs" / a.job if ship else Path(a.log_dir)
+        job_logs = JobLogs(self.work_dir / "job-logs") if ship else None
+        log_path = job_logs.path(a.job, rank) if ship else Path(a.log_dir) / f"rank{rank}.log"
         w = Worker(a.job, a.generation, rank, local_rank, pid=None, started_at=time.time(),
-                   log_path=log_dir / f"rank{rank}.log", last_change=time.monotonic(),
+                   log_path=log_path, last_change=time.monotonic(),
                    progress_file=self.progress_dir / f"{a.job}.{a.generation}.{rank}", ship_log=ship)
         if ship:
-            self.shipper.watch(a.job, rank, w.log_path)
+            if not log_path.parent.exists():  # a new job on this node: the logs of old ones go (all shipped)
+                try:
+                    log_path.parent.mkdir(parents=True)  # (an error here is `_launch`'s to report)
+                    job_logs.prune(busy={a.job, *self.shipper.watched_jobs(), *(o.job for o in self.workers.values())})
+                except OSError as err:
+                    log.warning("could not make %s or remove old jobs' logs: %s", log_path.parent, err)
+            self.shipper.watch(a.job, rank, log_path, base=job_logs.base(a.job, rank))
         env[protocol.PROGRESS_FILE] = str(w.progress_file)  # (named per process: a survivor keeps its own)
         argv = on_this_host(a.argv)
         if self.template is not None and forkable(argv) and self.template.importing():
