@@ -19,16 +19,38 @@ import socket
 import struct
 
 ESTABLISHED = "01"
+STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
+          "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
 
 
 def _ipv4(hex_addr: str) -> str:
     return socket.inet_ntoa(struct.pack("<I", int(hex_addr, 16)))
 
 
-def _connections(keep_host: str, keep_port: int) -> set[str]:
-    """Socket inodes of this process's network namespace's established TCP connections, except those whose far
-    end is (keep_host, keep_port) (IPv6: any host on keep_port)."""
-    inodes = set()
+def _remote(hex_host: str, port: int, v4: bool) -> str:
+    if v4:
+        return f"{_ipv4(hex_host)}:{port}"
+    words = struct.unpack("<4I", bytes.fromhex(hex_host))  # (each 32-bit word in host order)
+    return f"[{socket.inet_ntop(socket.AF_INET6, struct.pack('>4I', *words))}]:{port}"
+
+
+def _sockets() -> dict[str, int]:
+    """This process's socket inodes → one of its descriptors."""
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            fds.setdefault(link[8:-1], int(fd))
+    return fds
+
+
+def _connections(keep_host: str, keep_port: int, mine: dict[str, int]) -> list[tuple[str, str, str, bool]]:
+    """This process's TCP connections that are not listening: (inode, far end, state, kept), kept when the far end
+    is (keep_host, keep_port) (IPv6: any host on keep_port)."""
+    found = []
     for path, v4 in (("/proc/self/net/tcp", True), ("/proc/self/net/tcp6", False)):
         try:
             lines = open(path).read().splitlines()[1:]
@@ -37,33 +59,33 @@ def _connections(keep_host: str, keep_port: int) -> set[str]:
         for line in lines:
             fields = line.split()
             remote, state, inode = fields[2], fields[3], fields[9]
+            if inode not in mine or state == "0A":
+                continue
             host, port = remote.split(":")
             kept = int(port, 16) == keep_port and (not v4 or _ipv4(host) == keep_host)
-            if state == ESTABLISHED and not kept:
-                inodes.add(inode)
-    return inodes
+            found.append((inode, _remote(host, int(port, 16), v4), STATES.get(state, state), kept))
+    return found
 
 
-def cut_connections(keep: tuple[str, int]) -> int:
+def cut_connections(keep: tuple[str, int]) -> tuple[list[str], list[str]]:
     """Shut down (both directions) this process's established TCP connections, except those to `keep` (host
-    as an IPv4 address, port). Returns how many were cut."""
+    as an IPv4 address, port). Returns the far ends of those cut, and the others seen (kept, or in another state:
+    "far end STATE"), for the log."""
     host, port = keep
     try:
         host = socket.gethostbyname(host)
     except OSError:
         pass
-    inodes, cut = _connections(host, port), 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if not (link.startswith("socket:[") and link[8:-1] in inodes):
+    mine = _sockets()
+    cut, others = [], []
+    for inode, far, state, kept in _connections(host, port, mine):
+        if kept or state != "ESTABLISHED":
+            others.append(f"{far} {state}{' (the store)' if kept else ''}")
             continue
         try:  # a duplicate: shutdown acts on the connection, which the owner's descriptor shares
-            with socket.socket(fileno=os.dup(int(fd))) as s:
+            with socket.socket(fileno=os.dup(mine[inode])) as s:
                 s.shutdown(socket.SHUT_RDWR)
-            cut += 1
-        except OSError:
-            continue
-    return cut
+            cut.append(far)
+        except OSError as err:
+            others.append(f"{far} {state} (not cut: {err})")
+    return cut, others
