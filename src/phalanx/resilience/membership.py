@@ -281,10 +281,9 @@ class Membership:
             return
         waited, grace = time.monotonic() - self._superseded_at, max(self.stuck_grace_s, 3 * self._step_s)
         if self._lost and waited >= CUT_GRACE_S:
-            lost, self._lost, (cut, others) = self._lost, None, cut_connections(keep=(self.host, self.port))
-            log.warning("generation %d lost %s to a fault mid-step: cut %d connections to its peers (%s; also seen: %s)"
-                        "; next: the step fails, this rank leaves with its state", self._watching,
-                        ", ".join(sorted(lost)), len(cut), ", ".join(cut), ", ".join(others) or "none")
+            lost, self._lost, cut = self._lost, None, cut_connections(keep=(self.host, self.port))
+            log.warning("generation %d lost %s to a fault mid-step: cut %d connections to its peers; next: the step "
+                        "fails, this rank leaves with its state", self._watching, ", ".join(sorted(lost)), cut)
         if not self._step_s or waited < grace:
             return
         self._exit_stuck(f"still training generation {self._watching} {waited:.0f} s after generation {newest} was "

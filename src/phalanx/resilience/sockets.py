@@ -14,11 +14,12 @@ Linux only (/proc/self/net/tcp*, /proc/self/fd). Knows nothing about generations
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
 
-ESTABLISHED = "01"
+log = logging.getLogger("phalanx.sockets")
 STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
           "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
 
@@ -67,10 +68,9 @@ def _connections(keep_host: str, keep_port: int, mine: dict[str, int]) -> list[t
     return found
 
 
-def cut_connections(keep: tuple[str, int]) -> tuple[list[str], list[str]]:
+def cut_connections(keep: tuple[str, int]) -> int:
     """Shut down (both directions) this process's established TCP connections, except those to `keep` (host
-    as an IPv4 address, port). Returns the far ends of those cut, and the others seen (kept, or in another state:
-    "far end STATE"), for the log."""
+    as an IPv4 address, port). Returns how many were cut; logs their far ends and the other connections seen."""
     host, port = keep
     try:
         host = socket.gethostbyname(host)
@@ -80,7 +80,7 @@ def cut_connections(keep: tuple[str, int]) -> tuple[list[str], list[str]]:
     cut, others = [], []
     for inode, far, state, kept in _connections(host, port, mine):
         if kept or state != "ESTABLISHED":
-            others.append(f"{far} {state}{' (the store)' if kept else ''}")
+            others.append(f"{far} {state}{' (kept)' if kept else ''}")
             continue
         try:  # a duplicate: shutdown acts on the connection, which the owner's descriptor shares
             with socket.socket(fileno=os.dup(mine[inode])) as s:
@@ -88,4 +88,6 @@ def cut_connections(keep: tuple[str, int]) -> tuple[list[str], list[str]]:
             cut.append(far)
         except OSError as err:
             others.append(f"{far} {state} (not cut: {err})")
-    return cut, others
+    log.warning("cut %d connections (%s); also seen: %s", len(cut), ", ".join(cut) or "none",
+                ", ".join(others) or "none")
+    return len(cut)
